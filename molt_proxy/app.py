@@ -1,0 +1,269 @@
+"""The FastAPI app: thin handlers, wiring, and the single error → OpenAI body mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from molt_proxy.completions import Completions
+from molt_proxy.config import Settings
+from molt_proxy.errors import BadRequest, MoltError, PayloadTooLarge, Unauthorized
+from molt_proxy.parsing import ReplyParser
+from molt_proxy.sessions import Session, Sessions
+from molt_proxy.store import Store
+from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.types import SessionStatus
+from molt_proxy.upstream import Upstream
+from molt_proxy.wire.openai import decode_chat_request
+
+_STREAM_KEEPALIVE_S = 15.0
+
+
+class BodyLimit:
+    """Reject request bodies over `limit` bytes with 413, before they are buffered whole."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_error(send, PayloadTooLarge(f"the request body is over {self.limit} bytes"))
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise PayloadTooLarge(f"the request body is over {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_error(send: Send, error: MoltError) -> None:
+    payload = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    return value[7:].strip() if value.lower().startswith("bearer ") else None
+
+
+class Proxy:
+    """Everything a handler needs, built once at startup."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.store = Store(settings.db_path)
+        self.tokenizer = Tokenizer.load(settings.model)
+        self.upstream = Upstream(settings.upstreams[0], timeout_s=settings.upstream_timeout_s)
+        self.finalized = asyncio.Condition()
+        self.sessions: Sessions
+        self.completions: Completions
+        self.models: list[dict[str, Any]] = []
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.upstream.__aenter__()
+        self.models = await self.upstream.models()
+        model = self.models[0]
+        self.sessions = Sessions(self.store, self.tokenizer, model["id"])
+        await self.sessions.recover()
+        self.completions = Completions(
+            self.sessions,
+            self.tokenizer,
+            ReplyParser(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
+            self.upstream,
+            model=model["id"],
+            max_model_len=model["max_model_len"],
+            verify_prompt_ids=self.settings.verify_prompt_ids,
+        )
+
+    async def stop(self) -> None:
+        await self.upstream.__aexit__()
+        await self.store.close()
+
+    def authorize(self, request: Request, session: Session | None = None) -> None:
+        """Admin routes: the admin key, or a session's own key for that session."""
+        if self.settings.admin_key is None:
+            return
+        key = _bearer(request)
+        if key == self.settings.admin_key or (session is not None and key and key == session.api_key):
+            return
+        raise Unauthorized("this route needs the admin key (or the session's own key)")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    proxy = Proxy(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="molt-proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+
+    async def chat(request: Request, path_session: str | None) -> dict[str, Any]:
+        body = await request.body()
+        call = decode_chat_request(body)
+        header_session = request.headers.get("x-session-id")
+        key = _bearer(request)
+        session_id = path_session or header_session
+        if session_id is None and not (key and proxy.sessions.by_key(key)):
+            session_id = call.metadata.get("session_id")
+        session = await proxy.sessions.resolve(session_id, key if session_id is None else None)
+        return await proxy.completions.complete(session, call, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> dict[str, Any]:
+        return await chat(request, None)
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def session_chat_completions(session_id: str, request: Request) -> dict[str, Any]:
+        return await chat(request, session_id)
+
+    @app.get("/v1/models")
+    @app.get("/s/{session_id}/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": proxy.models}
+
+    @app.post("/v1/sessions", status_code=201)
+    async def create_session(request: Request) -> dict[str, Any]:
+        proxy.authorize(request)
+        body = await _json_object(request, allow_empty=True)
+        session = await proxy.sessions.create(
+            _optional_str(body, "session_id"), _optional_str(body, "group_id"), with_key=True
+        )
+        base = str(request.base_url).rstrip("/")
+        return {
+            "session_id": session.id,
+            "group_id": session.group_id,
+            "api_key": session.api_key,
+            "base_url": f"{base}/s/{session.id}/v1",
+        }
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+        session = proxy.sessions.get(session_id)
+        proxy.authorize(request, session)
+        return session.describe()
+
+    @app.post("/v1/rewards")
+    async def post_reward(request: Request) -> dict[str, Any]:
+        body = await _json_object(request)
+        session_id = _optional_str(body, "session_id")
+        if session_id is None:
+            raise BadRequest("'session_id' is required", param="session_id")
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise BadRequest("'reward' must be a finite number", param="reward")
+        info = body.get("info", {})
+        if not isinstance(info, dict):
+            raise BadRequest("'info' must be an object", param="info")
+        session = proxy.sessions.find(session_id)
+        proxy.authorize(request, session)
+        trajectories = await proxy.sessions.close(session_id, float(reward), info, SessionStatus.REWARDED)
+        async with proxy.finalized:
+            proxy.finalized.notify_all()
+        return {
+            "session_id": session_id,
+            "status": SessionStatus.REWARDED.value,
+            "trajectories": [{"seq": t.seq, "trajectory_id": t.trajectory_id} for t in trajectories],
+        }
+
+    @app.get("/v1/trajectories", response_model=None)
+    async def trajectories(
+        request: Request,
+        after: int = Query(0, ge=0),
+        limit: int = Query(100, ge=1, le=10_000),
+    ) -> dict[str, Any] | StreamingResponse:
+        proxy.authorize(request)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return StreamingResponse(_stream(after, limit), media_type="text/event-stream")
+        data = await proxy.store.trajectories_after(after, limit)
+        return {"object": "list", "data": data, "last_seq": data[-1]["seq"] if data else after}
+
+    async def _stream(after: int, limit: int) -> AsyncIterator[str]:
+        cursor = after
+        while True:
+            batch = await proxy.store.trajectories_after(cursor, limit)
+            for trajectory in batch:
+                cursor = trajectory["seq"]
+                yield f"id: {cursor}\nevent: trajectory\ndata: {json.dumps(trajectory)}\n\n"
+            if batch:
+                continue
+            async with proxy.finalized:
+                try:
+                    await asyncio.wait_for(proxy.finalized.wait(), _STREAM_KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield ": keepalive\n\n"
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:
+    body = await request.body()
+    if allow_empty and not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadRequest(f"'{key}' must be a non-empty string", param=key)
+    return value
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MoltError)
+    async def molt_error(_: Request, exc: MoltError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        param = ".".join(str(p) for p in error["loc"][1:]) or None
+        return JSONResponse(BadRequest(f"invalid '{param}': {error['msg']}", param=param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(MoltError(f"internal error: {exc!r}").body(), status_code=500)

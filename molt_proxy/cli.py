@@ -1,0 +1,105 @@
+"""`molt-proxy`: arguments → settings → run. Flags mirror `vllm serve` where they mean the same."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from molt_proxy.app import create_app
+    from molt_proxy.config import Settings
+    from molt_proxy.launcher import VLLMServer
+
+    servers: list[VLLMServer] = []
+    upstreams = list(args.upstream or [])
+    try:
+        if not upstreams:
+            log = Path(args.db).with_suffix(".vllm.log")
+            logging.info("starting vLLM for %s (log: %s)", args.model, log)
+            server = VLLMServer(
+                args.model, port=args.vllm_port, max_model_len=args.max_model_len,
+                extra_args=args.vllm_arg or [], log_path=log,
+            ).start()
+            servers.append(server)
+            upstreams.append(server.url)
+        settings = Settings(
+            model=args.model,
+            upstreams=upstreams,
+            host=args.host,
+            port=args.port,
+            db_path=Path(args.db),
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            admin_key=args.admin_key,
+            max_request_bytes=args.max_request_bytes,
+            verify_prompt_ids=args.verify_prompt_ids,
+        )
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    finally:
+        for server in servers:
+            server.stop()
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from molt_proxy.export import export
+
+    count = export(args.db, args.out, args.format)
+    print(f"wrote {count} trajectories to {args.out}")
+    return 0
+
+
+def _build_tiny_model(args: argparse.Namespace) -> int:
+    from molt_proxy.tinymodel import build_tiny_model
+
+    print(build_tiny_model(args.out, args.arch))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="molt-proxy", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy (and vLLM, unless --upstream is given)")
+    serve.add_argument("--model", required=True, help="model path or id; its tokenizer and chat template are used")
+    serve.add_argument("--upstream", action="append", metavar="URL", help="a running vLLM server (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--db", default="molt-proxy.db", help="SQLite store path")
+    serve.add_argument("--tool-call-parser", help="vLLM tool parser name, as in `vllm serve`")
+    serve.add_argument("--reasoning-parser", help="vLLM reasoning parser name, as in `vllm serve`")
+    serve.add_argument("--max-model-len", type=int, help="passed to the vLLM it launches")
+    serve.add_argument("--vllm-port", type=int, help="port of the vLLM it launches (default: a free one)")
+    serve.add_argument("--vllm-arg", action="append", metavar="ARG", help="extra argument for the vLLM it launches")
+    serve.add_argument("--admin-key", help="require this bearer key on session, reward and trajectory routes")
+    serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--verify-prompt-ids", action="store_true",
+                       help="have vLLM echo prompt ids and fail a turn on any difference")
+    serve.set_defaults(run=_serve)
+
+    exp = commands.add_parser("export", help="write finalized trajectories to JSONL or Parquet")
+    exp.add_argument("--db", default="molt-proxy.db")
+    exp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    exp.add_argument("--out", required=True)
+    exp.set_defaults(run=_export)
+
+    tiny = commands.add_parser("build-tiny-model", help="build a tiny local model for demos and tests")
+    tiny.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
+    tiny.add_argument("--out", required=True)
+    tiny.set_defaults(run=_build_tiny_model)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

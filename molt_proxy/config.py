@@ -1,0 +1,33 @@
+"""One settings object: every default and cross-field check of the proxy in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Settings:
+    model: str
+    """Path (or id) of the served model: its tokenizer and chat template are the proxy's."""
+    upstreams: list[str] = field(default_factory=list)
+    """Base URLs of running vLLM servers (`--upstream`)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db_path: Path = Path("molt-proxy.db")
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    admin_key: str | None = None
+    """When set, session, reward and trajectory routes need `Authorization: Bearer <key>`
+    (a session-scoped key may act on its own session)."""
+    max_request_bytes: int = 16 * 1024 * 1024
+    verify_prompt_ids: bool = False
+    """Ask vLLM to echo the prompt ids and fail the turn if they differ from what was sent."""
+    upstream_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream vLLM URL is needed")
+        if self.max_request_bytes <= 0:
+            raise ValueError("max_request_bytes must be positive")
+        self.db_path = Path(self.db_path)

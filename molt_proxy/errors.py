@@ -1,0 +1,83 @@
+"""One small exception tree; each error knows its HTTP status and OpenAI error type.
+
+    MoltError                     500 internal_error
+    ├── BadRequest                400 invalid_request_error
+    │   └── ContextLengthExceeded 400 invalid_request_error / context_length_exceeded
+    ├── Unauthorized              401 authentication_error
+    ├── Forbidden                 403 permission_error
+    ├── NotFound                  404 not_found_error
+    ├── Conflict                  409 conflict_error
+    ├── PayloadTooLarge           413 invalid_request_error
+    └── UpstreamError             502 upstream_error
+        └── UpstreamUnavailable   503 service_unavailable
+
+Raise these anywhere; `app.py` maps them to the OpenAI error body once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MoltError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+class BadRequest(MoltError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(MoltError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(MoltError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(MoltError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(MoltError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(MoltError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamError(MoltError):
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamUnavailable(UpstreamError):
+    status = 503
+    type = "service_unavailable"

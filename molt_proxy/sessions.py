@@ -1,0 +1,201 @@
+"""Sessions: identification, per-session locks, segments, rewards (DESIGN §3).
+
+A session is one agent episode. It holds its segments (the last one open), a lock that
+serialises its turns, and the last request it answered (for idempotent retries). The
+registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt_proxy.errors import Conflict, NotFound, Unauthorized
+from molt_proxy.stitching import PromptPlan, TokenText, commit_turn
+from molt_proxy.store import Store, StoredSession, StoredTurn
+from molt_proxy.types import Generation, Segment, SessionStatus, Trajectory
+
+SESSION_KEY_PREFIX = "mp-sess-"
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    group_id: str
+    created: float
+    api_key: str | None = None
+    segments: list[Segment] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_request_hash: str | None = None
+    last_reply: dict[str, Any] | None = None
+    closed: bool = False
+
+    @property
+    def open_segment(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "session_id": self.id,
+            "group_id": self.group_id,
+            "status": "closed" if self.closed else "open",
+            "segments": [
+                {
+                    "segment": s.index,
+                    "num_tokens": len(s.token_ids),
+                    "num_sampled": sum(s.loss_mask),
+                    "turns": [t.completion_id for t in s.turns],
+                }
+                for s in self.segments
+            ],
+        }
+
+
+def request_hash(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+class Sessions:
+    """The registry of open sessions."""
+
+    def __init__(self, store: Store, tokenizer: TokenText, model: str):
+        self.store = store
+        self.tokenizer = tokenizer
+        self.model = model
+        self._open: dict[str, Session] = {}
+        self._by_key: dict[str, str] = {}
+
+    async def recover(self) -> int:
+        """Rebuild every open session from the store; returns how many."""
+        for stored, turns in await self.store.open_sessions():
+            session = Session(stored.id, stored.group_id, stored.created, stored.api_key)
+            for turn in turns:
+                if not session.segments or session.segments[-1].index != turn.segment:
+                    session.segments.append(Segment(index=turn.segment))
+                plan = PromptPlan(ids=[], new_ids=turn.new_ids, continues=True)
+                replayed = commit_turn(session.segments[-1], plan, turn.generation, turn.completion_id, self.tokenizer)
+                replayed.created = turn.created
+                session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
+            self._register(session)
+        return len(self._open)
+
+    def _register(self, session: Session) -> None:
+        self._open[session.id] = session
+        if session.api_key:
+            self._by_key[session.api_key] = session.id
+
+    async def create(self, session_id: str | None = None, group_id: str | None = None, with_key: bool = False) -> Session:
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self._open or await self.store.session_status(session_id) is not None:
+            raise Conflict(f"session {session_id!r} already exists", param="session_id")
+        session = Session(
+            id=session_id,
+            group_id=group_id or session_id,
+            created=time.time(),
+            api_key=SESSION_KEY_PREFIX + secrets.token_urlsafe(24) if with_key else None,
+        )
+        await self.store.create_session(
+            StoredSession(session.id, session.group_id, session.api_key, SessionStatus.OPEN, session.created)
+        )
+        self._register(session)
+        return session
+
+    async def resolve(self, session_id: str | None, api_key: str | None) -> Session:
+        """The session a chat request belongs to: by id (path, header or metadata; created on
+        first use) or by a session-scoped key."""
+        if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
+            session_id = self._by_key.get(api_key)
+            if session_id is None:
+                raise Unauthorized("unknown or closed session key")
+        if session_id is None:
+            return await self.create()
+        session = self._open.get(session_id)
+        if session is not None:
+            return session
+        if await self.store.session_status(session_id) is not None:
+            raise Conflict(f"session {session_id!r} is closed", param="session_id")
+        return await self.create(session_id)
+
+    def find(self, session_id: str) -> Session | None:
+        return self._open.get(session_id)
+
+    def get(self, session_id: str) -> Session:
+        session = self._open.get(session_id)
+        if session is None:
+            raise NotFound(f"no open session {session_id!r}", param="session_id")
+        return session
+
+    def by_key(self, api_key: str) -> Session | None:
+        session_id = self._by_key.get(api_key)
+        return self._open.get(session_id) if session_id else None
+
+    async def record(
+        self,
+        session: Session,
+        plan: PromptPlan,
+        generation: Generation,
+        completion_id: str,
+        request_hash: str,
+        reply: dict[str, Any],
+    ) -> None:
+        """Persist a turn, then commit it to the session in memory.
+
+        Store first: if the write fails, memory is untouched and the request fails whole.
+        """
+        open_segment = session.open_segment
+        if plan.continues and open_segment is not None:
+            segment = open_segment
+        else:
+            segment = Segment(index=open_segment.index + 1 if open_segment else 0)
+        stored = StoredTurn(completion_id, segment.index, plan.new_ids, generation, time.time(), request_hash, reply)
+        await self.store.record_turn(session.id, stored)
+        commit_turn(segment, plan, generation, completion_id, self.tokenizer).created = stored.created
+        if segment is not open_segment:
+            session.segments.append(segment)
+        session.last_request_hash, session.last_reply = request_hash, reply
+
+    async def close(
+        self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus
+    ) -> list[Trajectory]:
+        """Finalize: every segment becomes a trajectory carrying the session's reward."""
+        session = self._open.get(session_id)
+        if session is None:
+            known = await self.store.session_status(session_id)
+            if known is None:
+                raise NotFound(f"no session {session_id!r}", param="session_id")
+            raise Conflict(f"session {session_id!r} is already closed", param="session_id")
+        async with session.lock:
+            if session.closed:
+                raise Conflict(f"session {session_id!r} is already closed", param="session_id")
+            now = time.time()
+            trajectories = [
+                Trajectory(
+                    seq=0,
+                    trajectory_id=f"{session.id}:{segment.index}",
+                    session_id=session.id,
+                    segment=segment.index,
+                    group_id=session.group_id,
+                    token_ids=segment.token_ids,
+                    loss_mask=segment.loss_mask,
+                    logprobs=segment.logprobs,
+                    weight_versions=segment.weight_versions,
+                    turns=segment.turns,
+                    reward=reward,
+                    info=info,
+                    status=status,
+                    model=self.model,
+                    created=now,
+                )
+                for segment in session.segments
+            ]
+            stored = await self.store.close_session(session.id, status, reward, info, now, trajectories)
+            session.closed = True
+            del self._open[session.id]
+            if session.api_key:
+                self._by_key.pop(session.api_key, None)
+        return stored

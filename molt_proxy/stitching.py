@@ -1,0 +1,86 @@
+"""Token accounting: continue the open segment or start a new one (DESIGN §2).
+
+Pure: no I/O, no locks. The session layer calls `plan_prompt` before generation and
+`commit_turn` only after generation succeeded, so a failed or retried request never
+double-appends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from molt_proxy.types import NOT_SAMPLED, Generation, Segment, Turn
+
+
+class TokenText(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def ids_bytes(self, ids: list[int]) -> bytes: ...
+
+
+@dataclass(slots=True, frozen=True)
+class PromptPlan:
+    """The exact ids to send for one request and how they join the record."""
+
+    ids: list[int]
+    """Full prompt sent to vLLM."""
+    new_ids: list[int]
+    """Ids this request appends before the completion (mask 0)."""
+    continues: bool
+    """True: appended to the open segment. False: the history was rewritten (or there is no
+    open segment) and the turn opens a new segment from the full render."""
+
+
+def plan_prompt(segment: Segment | None, rendered: str, tokenizer: TokenText) -> PromptPlan:
+    """Continue `segment` when the render starts with its exact bytes; otherwise start over.
+
+    Bytes, not str: a segment may end inside a multi-byte character (a length cut), and
+    decode would hide that. A suffix that does not start on a character boundary cannot be
+    tokenized on its own, so it starts a new segment too.
+    """
+    full = rendered.encode()
+    if segment is not None and segment.turns and full.startswith(segment.text):
+        try:
+            suffix = full[len(segment.text) :].decode()
+        except UnicodeDecodeError:
+            suffix = None
+        if suffix is not None:
+            new_ids = tokenizer.encode(suffix) if suffix else []
+            return PromptPlan(ids=segment.token_ids + new_ids, new_ids=new_ids, continues=True)
+    ids = tokenizer.encode(rendered)
+    return PromptPlan(ids=ids, new_ids=ids, continues=False)
+
+
+def commit_turn(
+    segment: Segment,
+    plan: PromptPlan,
+    generation: Generation,
+    completion_id: str,
+    tokenizer: TokenText,
+) -> Turn:
+    """Append the request's new prompt ids (mask 0) and the sampled ids (mask 1) to `segment`.
+
+    `segment` is the open segment when `plan.continues`, else a fresh empty one.
+    """
+    prompt_start = len(segment.token_ids)
+    segment.token_ids += plan.new_ids
+    segment.loss_mask += [0] * len(plan.new_ids)
+    segment.logprobs += [0.0] * len(plan.new_ids)
+    segment.weight_versions += [NOT_SAMPLED] * len(plan.new_ids)
+    completion_start = len(segment.token_ids)
+    segment.token_ids += generation.token_ids
+    segment.loss_mask += [1] * len(generation.token_ids)
+    segment.logprobs += generation.logprobs
+    segment.weight_versions += generation.weight_versions
+    segment.text += tokenizer.ids_bytes(plan.new_ids + generation.token_ids)
+    turn = Turn(
+        completion_id=completion_id,
+        prompt_start=prompt_start,
+        completion_start=completion_start,
+        completion_end=len(segment.token_ids),
+        finish_reason=generation.finish_reason,
+        created=time.time(),
+    )
+    segment.turns.append(turn)
+    return turn

@@ -1,0 +1,254 @@
+"""The only module that touches SQL: sessions, turns and trajectories in SQLite (WAL).
+
+Every turn and every reward is committed (`synchronous=FULL`) before the proxy answers, so a
+killed proxy loses nothing it acknowledged. A turn row holds only what the turn appended
+(its new prompt ids and its sampled ids, as packed arrays), so a write costs the turn, not
+the conversation; open sessions are rebuilt on restart by replaying their turns in order.
+Finalized trajectories get a dense, increasing `seq`: the trainer's cursor.
+
+All SQL runs on one dedicated thread with one connection; callers await it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from molt_proxy.types import Generation, SessionStatus, Trajectory
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    group_id TEXT NOT NULL,
+    api_key TEXT UNIQUE,
+    status TEXT NOT NULL,
+    reward REAL,
+    info TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL,
+    closed REAL
+);
+CREATE TABLE IF NOT EXISTS turns (
+    position INTEGER PRIMARY KEY AUTOINCREMENT,
+    completion_id TEXT NOT NULL UNIQUE,
+    session_id TEXT NOT NULL REFERENCES sessions(id),
+    segment INTEGER NOT NULL,
+    new_ids BLOB NOT NULL,
+    sampled_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    versions BLOB NOT NULL,
+    finish_reason TEXT NOT NULL,
+    created REAL NOT NULL,
+    request_hash TEXT NOT NULL,
+    reply TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
+CREATE TABLE IF NOT EXISTS trajectories (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    trajectory_id TEXT NOT NULL UNIQUE,
+    session_id TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+"""
+
+
+def _pack(typecode: str, values: list) -> bytes:
+    return array(typecode, values).tobytes()
+
+
+def _unpack(typecode: str, blob: bytes) -> list:
+    values = array(typecode)
+    values.frombytes(blob)
+    return values.tolist()
+
+
+@dataclass(slots=True)
+class StoredSession:
+    id: str
+    group_id: str
+    api_key: str | None
+    status: SessionStatus
+    created: float
+
+
+@dataclass(slots=True)
+class StoredTurn:
+    completion_id: str
+    segment: int
+    new_ids: list[int]
+    generation: Generation
+    created: float
+    request_hash: str
+    reply: dict[str, Any]
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molt-store")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self) -> None:
+        await self._run(self._open)
+
+    def _open(self) -> None:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.executescript(_SCHEMA)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("the store is not open")
+        return self._db
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def create_session(self, session: StoredSession) -> None:
+        await self._run(
+            self.db.execute,
+            "INSERT INTO sessions (id, group_id, api_key, status, created) VALUES (?, ?, ?, ?, ?)",
+            (session.id, session.group_id, session.api_key, session.status.value, session.created),
+        )
+
+    async def open_sessions(self) -> list[tuple[StoredSession, list[StoredTurn]]]:
+        return await self._run(self._open_sessions)
+
+    def _open_sessions(self) -> list[tuple[StoredSession, list[StoredTurn]]]:
+        rows = self.db.execute(
+            "SELECT id, group_id, api_key, status, created FROM sessions WHERE status = ?",
+            (SessionStatus.OPEN.value,),
+        ).fetchall()
+        result = []
+        for sid, group_id, api_key, status, created in rows:
+            turns = [
+                StoredTurn(
+                    completion_id=cid,
+                    segment=segment,
+                    new_ids=_unpack("i", new_ids),
+                    generation=Generation(
+                        token_ids=_unpack("i", sampled),
+                        logprobs=_unpack("d", logprobs),
+                        weight_versions=_unpack("i", versions),
+                        finish_reason=finish_reason,
+                    ),
+                    created=turn_created,
+                    request_hash=request_hash,
+                    reply=json.loads(reply),
+                )
+                for cid, segment, new_ids, sampled, logprobs, versions, finish_reason, turn_created, request_hash, reply in self.db.execute(
+                    "SELECT completion_id, segment, new_ids, sampled_ids, logprobs, versions, finish_reason,"
+                    " created, request_hash, reply FROM turns WHERE session_id = ? ORDER BY position",
+                    (sid,),
+                )
+            ]
+            result.append((StoredSession(sid, group_id, api_key, SessionStatus(status), created), turns))
+        return result
+
+    async def session_status(self, session_id: str) -> SessionStatus | None:
+        def query() -> SessionStatus | None:
+            row = self.db.execute("SELECT status FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            return SessionStatus(row[0]) if row else None
+
+        return await self._run(query)
+
+    # -- turns -----------------------------------------------------------------------------
+
+    async def record_turn(self, session_id: str, turn: StoredTurn) -> None:
+        g = turn.generation
+        await self._run(
+            self.db.execute,
+            "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
+            " versions, finish_reason, created, request_hash, reply) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                turn.completion_id,
+                session_id,
+                turn.segment,
+                _pack("i", turn.new_ids),
+                _pack("i", g.token_ids),
+                _pack("d", g.logprobs),
+                _pack("i", g.weight_versions),
+                g.finish_reason,
+                turn.created,
+                turn.request_hash,
+                json.dumps(turn.reply),
+            ),
+        )
+
+    # -- finalization ----------------------------------------------------------------------
+
+    async def close_session(
+        self,
+        session_id: str,
+        status: SessionStatus,
+        reward: float | None,
+        info: dict[str, Any],
+        closed: float,
+        trajectories: list[Trajectory],
+    ) -> list[Trajectory]:
+        """Mark the session closed and append its trajectories, atomically; returns them with
+        their `seq` set."""
+        return await self._run(self._close_session, session_id, status, reward, info, closed, trajectories)
+
+    def _close_session(self, session_id, status, reward, info, closed, trajectories):
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute(
+                "UPDATE sessions SET status = ?, reward = ?, info = ?, closed = ? WHERE id = ?",
+                (status.value, reward, json.dumps(info), closed, session_id),
+            )
+            for trajectory in trajectories:
+                cursor = db.execute(
+                    "INSERT INTO trajectories (trajectory_id, session_id, data) VALUES (?, ?, '')",
+                    (trajectory.trajectory_id, session_id),
+                )
+                trajectory.seq = cursor.lastrowid
+                db.execute(
+                    "UPDATE trajectories SET data = ? WHERE seq = ?",
+                    (json.dumps(trajectory.to_json()), trajectory.seq),
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return trajectories
+
+    async def trajectories_after(self, seq: int, limit: int) -> list[dict[str, Any]]:
+        def query() -> list[dict[str, Any]]:
+            rows = self.db.execute(
+                "SELECT data FROM trajectories WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+            ).fetchall()
+            return [json.loads(row[0]) for row in rows]
+
+        return await self._run(query)
+
+
+def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
+    """All finalized trajectories of a store file, in order (for export; read-only)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return [json.loads(row[0]) for row in db.execute("SELECT data FROM trajectories ORDER BY seq")]
+    finally:
+        db.close()

@@ -1,0 +1,132 @@
+"""The model's text side: chat template rendering, tokenizing, and exact token bytes.
+
+Stitching compares the bytes a segment's ids decode to with the bytes of a new render, so
+this module gives each id its exact bytes (byte-level BPE maps every id to a fixed byte
+string, special tokens to their literal text). That is incremental: a turn costs only its
+new ids, never a decode of the whole history.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from molt_proxy.errors import BadRequest
+
+_PROBE_ARGUMENTS = '{"probe":1}'
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the model's chat template."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, generation_eos_ids: frozenset[int] = frozenset()):
+        if not hf.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        self.hf = hf
+        self.generation_eos_ids = generation_eos_ids
+        """Extra stop ids from the model's generation config (Llama-3 ends turns with several)."""
+        self._byte_decoder = {ch: b for b, ch in bytes_to_unicode().items()}
+        self._added = {tok.content for tok in hf.added_tokens_decoder.values()}
+        self._cache: dict[int, bytes] = {}
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:
+            eos = None
+        ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(AutoTokenizer.from_pretrained(path), ids)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.hf.eos_token_id
+
+    @cached_property
+    def _template_takes_string_arguments(self) -> bool:
+        """Whether the template prints a tool call's `arguments` string verbatim.
+
+        vLLM turns `arguments` into a dict before rendering, so a template re-serialises it
+        (`tojson`) and `{"x":1}` as sampled comes back as `{"x": 1}`: the segment breaks.
+        Templates that print a string as is (Qwen3's) can take the exact sampled text, so
+        we keep the string there; others (Llama-3.2's `| tojson`) get the dict, as in vLLM.
+        """
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": _PROBE_ARGUMENTS}}
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+        ]
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception:
+            return False
+        return _PROBE_ARGUMENTS in text
+
+    def _prepare(self, message: dict[str, Any]) -> dict[str, Any]:
+        calls = message.get("tool_calls")
+        if not calls:
+            return message
+        prepared = []
+        for call in calls:
+            function = dict(call.get("function") or {})
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and not self._template_takes_string_arguments:
+                try:
+                    arguments = json.loads(arguments) if arguments else {}
+                except json.JSONDecodeError:
+                    raise BadRequest(
+                        f"tool call arguments are not valid JSON: {arguments[:80]!r}",
+                        param="messages",
+                    ) from None
+            function["arguments"] = arguments
+            prepared.append({**call, "function": function})
+        return {**message, "tool_calls": prepared}
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+    ) -> str:
+        """The full prompt text `F` for a request, generation prompt included."""
+        try:
+            return self.hf.apply_chat_template(
+                [self._prepare(m) for m in messages],
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except BadRequest:
+            raise
+        except Exception as exc:  # jinja raise_exception() and template type errors
+            raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for rendered text; the template already wrote any special tokens."""
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        cached = self._cache.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece in self._added:
+            raw = piece.encode()
+        elif all(ch in self._byte_decoder for ch in piece):
+            raw = bytes(self._byte_decoder[ch] for ch in piece)
+        else:  # not byte-level (e.g. sentencepiece): fall back to the decoder
+            raw = self.hf.decode([token_id]).encode()
+        self._cache[token_id] = raw
+        return raw
+
+    def ids_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,150 @@
+"""OpenAI Chat Completions on the wire: request decoding, sampling fields, reply encoding.
+
+Requests are validated with vLLM's own `ChatCompletionRequest` (so every field vLLM accepts
+means here what it means there), plus the checks vLLM leaves to the chat template: known
+roles, content where a role needs it, text-only content.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from molt_proxy.errors import BadRequest
+from molt_proxy.parsing import ParsedReply
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_NEEDS_CONTENT = frozenset({"system", "developer", "user", "tool", "function"})
+
+
+@dataclass(slots=True, frozen=True)
+class ChatCall:
+    """A decoded chat request: vLLM's validated model plus the messages and tools exactly as
+    sent (pydantic drops keys it does not know, such as `reasoning_content`, and the chat
+    template must see them)."""
+
+    request: ChatCompletionRequest
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    metadata: dict[str, Any]
+
+
+def decode_chat_request(body: bytes) -> ChatCall:
+    """Bytes → a validated request whose messages are plain dicts with text content."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if not isinstance(data.get("messages"), list) or not data["messages"]:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    data["messages"] = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
+    try:
+        request = ChatCompletionRequest.model_validate(data)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise BadRequest(f"invalid value for '{param}': {error['msg']}", param=param) from None
+    if request.n != 1:
+        raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
+    if request.stream:
+        raise BadRequest("streaming is not supported yet; send stream=false", param="stream")
+    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    return ChatCall(request, data["messages"], data.get("tools"), metadata)
+
+
+def _normalize_message(message: Any, index: int) -> dict[str, Any]:
+    param = f"messages.{index}"
+    if not isinstance(message, dict):
+        raise BadRequest(f"{param} must be an object", param=param)
+    role = message.get("role")
+    if role not in ROLES:
+        raise BadRequest(
+            f"{param}.role {role!r} is not one of {sorted(ROLES)}", param=f"{param}.role"
+        )
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(_text_part(part, f"{param}.content") for part in content)
+    elif content is not None and not isinstance(content, str):
+        raise BadRequest(f"{param}.content must be a string or an array of parts", param=f"{param}.content")
+    if content is None and role in _NEEDS_CONTENT:
+        raise BadRequest(f"{param} with role {role!r} needs 'content'", param=f"{param}.content")
+    if role == "assistant" and content is None and not message.get("tool_calls"):
+        raise BadRequest(f"{param}: an assistant message needs 'content' or 'tool_calls'", param=param)
+    return {**message, "content": content} if "content" in message or content is not None else message
+
+
+def _text_part(part: Any, param: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise BadRequest(f"{param}: only text content parts are supported", param=param)
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    return dict(request.chat_template_kwargs or {})
+
+
+def sampling_fields(request: ChatCompletionRequest, max_tokens: int) -> dict[str, Any]:
+    """Every sampling field, explicitly (DESIGN §4): an omitted field would fall back to the
+    checkpoint's generation config (e.g. `top_k=20`), not to the OpenAI default."""
+    fields: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": request.top_k or 0,
+        "min_p": request.min_p or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": request.repetition_penalty or 1.0,
+        "seed": request.seed,
+        "stop": request.stop or [],
+        "stop_token_ids": request.stop_token_ids or [],
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "logprobs": request.top_logprobs or 0,
+        "logit_bias": request.logit_bias,
+        # ids are the product; text is only needed to match stop strings.
+        "detokenize": bool(request.stop),
+    }
+    return fields
+
+
+def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
+    return request.max_completion_tokens or request.max_tokens
+
+
+def encode_reply(
+    *,
+    completion_id: str,
+    model: str,
+    reply: ParsedReply,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    session_id: str,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning_content is not None:
+        message["reasoning_content"] = reply.reasoning_content
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "session_id": session_id,
+    }

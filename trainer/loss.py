@@ -1,0 +1,233 @@
+"""The policy loss: a PPO-style clipped surrogate, corrected for the train/rollout mismatch.
+
+Owns the per-token arithmetic of one micro-batch: which tokens count, how much each weighs,
+and the normalisation over the whole optimizer step. It does not run the model (the trainer's
+forward pass gives `logprobs`), compute advantages (`advantage.py`) or split micro-batches.
+
+Three policies meet here, per sampled token t:
+
+    pi      the current policy, `logprobs`: the only input with a gradient;
+    pi_old  the proximal policy of the trust region, `old_logprobs` (default: mu);
+    mu      the policy vLLM sampled with, `rollout_logprobs`. It differs from pi_old even at
+            the same weights (other kernels and precision), and more so when it is a few
+            weight versions behind, as asynchronous training makes it.
+
+The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
+
+    loss = -1/N * sum_{t kept} w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
+
+    r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it
+    w_t = f(exp(pi_old_t - mu_t))       train/rollout importance weight, no gradient;
+                                        f truncates or masks (`LossConfig.is_mode`)
+    N   = kept tokens in the whole step, so micro-batches add up to the full-batch loss
+    kept = sampled (loss_mask 1) and at most `max_staleness` weight versions old
+
+Tokens masked by the importance weight stay in N: masking is an importance weight of zero,
+not a change of the sample, and N must be known before any micro-batch's forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+IsMode = Literal["truncate", "mask"]
+IsLevel = Literal["token", "sequence"]
+
+# 1. Configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    clip_low: float = 0.2
+    """Where A < 0, r is clipped below 1 - clip_low (0.2 as in PPO, Schulman et al. 2017)."""
+    clip_high: float = 0.28
+    """Where A > 0, r is clipped above 1 + clip_high. Above clip_low ("clip-higher", DAPO):
+    unlikely tokens with a positive advantage may gain more, which slows entropy collapse."""
+    is_mode: IsMode = "truncate"
+    """truncate: w = min(ratio, is_high) (TIS, Yao et al. 2025); every token trains, the
+    variance is bounded, at a small bias. mask: w = ratio inside [is_low, is_high], else 0;
+    tokens the trainer and the sampler disagree about are dropped instead of trusted a bit."""
+    is_level: IsLevel = "token"
+    """token: a ratio per token. sequence: the geometric mean of the token ratios over the
+    sequence's kept tokens, shared by all of them; a sequence is judged (and masked) whole.
+    The geometric mean sits much closer to 1, so the sequence level wants tighter bounds."""
+    is_low: float = 0.5
+    """Lower bound of `mask`; `truncate` ignores it."""
+    is_high: float = 2.0
+    """Cap of `truncate` and upper bound of `mask` (C = 2 as in TIS)."""
+    max_staleness: int | None = 4
+    """Sampled tokens more than this many weight versions older than the trainer's are
+    withheld and counted; None trains on any age. 4 is where AReaL's staleness ablation
+    still matched synchronous training."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.is_mode not in ("truncate", "mask"):
+            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
+        if self.is_level not in ("token", "sequence"):
+            raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
+        if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
+            raise ValueError(
+                f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, "
+                f"is_high={self.is_high}"
+            )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+
+
+# 2. Which tokens count ----------------------------------------------------------------------
+
+
+def _kept(
+    loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig
+) -> Tensor:
+    """[B,T] bool: tokens the policy sampled recently enough to train on."""
+    sampled = loss_mask.bool()
+    if config.max_staleness is None:
+        return sampled
+    return sampled & (current_version - weight_versions <= config.max_staleness)
+
+
+def count_loss_tokens(
+    loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig
+) -> int:
+    """N of one micro-batch: add it up over the step's micro-batches for `num_tokens_in_step`.
+
+    loss_mask, weight_versions: [B,T]. Needs no forward pass, so it can run before the first.
+    """
+    return int(_kept(loss_mask, weight_versions, current_version, config).sum())
+
+
+# 3. Train/rollout importance weights --------------------------------------------------------
+
+
+def _importance_weights(
+    log_ratio: Tensor, kept: Tensor, config: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """(ratio, weight), both [B,T], from log(pi_old / mu) [B,T] that is 0 where not kept.
+
+    At sequence level the ratio is exp(mean of the log ratios over kept tokens), i.e. the
+    geometric mean of the token ratios, broadcast over the sequence.
+    """
+    if config.is_level == "sequence":
+        tokens = kept.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / tokens).expand_as(log_ratio)
+    ratio = log_ratio.exp()
+    if config.is_mode == "truncate":
+        return ratio, ratio.clamp(max=config.is_high)
+    inside = (ratio >= config.is_low) & (ratio <= config.is_high)
+    return ratio, torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+# 4. The loss --------------------------------------------------------------------------------
+
+
+def policy_loss(
+    logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    weight_versions: Tensor,
+    current_version: int,
+    config: LossConfig,
+    *,
+    old_logprobs: Tensor | None = None,
+    num_tokens_in_step: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
+
+    logprobs: [B,T] log pi of each token under the current weights, with gradient.
+    rollout_logprobs: [B,T] log mu recorded by vLLM (0.0 where loss_mask is 0).
+    advantages: [B] one per sequence, or [B,T] one per token.
+    loss_mask: [B,T] 1 where the policy sampled the token; 0 for prompt and padding.
+    weight_versions: [B,T] weight version that sampled each token (-1 where loss_mask is 0).
+    current_version: the trainer's weight version, for the staleness bound.
+    old_logprobs: [B,T] log pi_old, the proximal policy; None uses rollout_logprobs, which
+        makes every importance weight 1 and clips directly against the sampler.
+    num_tokens_in_step: N, the kept tokens of the whole step (sum of `count_loss_tokens`
+        over its micro-batches); None uses this micro-batch's own count.
+
+    Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
+    `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
+    `is_ratio_mean` / `is_ratio_max` of exp(pi_old - mu) at the configured level;
+    `is_truncated_frac` / `is_masked_frac`, the share whose weight was capped / zeroed;
+    `approx_kl`, the k3 estimate of KL(mu || pi): mean of rho - 1 - log rho, rho = pi / mu.
+    """
+    _check_shapes(logprobs, rollout_logprobs, old_logprobs, advantages, loss_mask, weight_versions)
+    kept = _kept(loss_mask, weight_versions, current_version, config)
+    local_tokens = int(kept.sum())
+    if num_tokens_in_step is None:
+        num_tokens_in_step = local_tokens
+    elif num_tokens_in_step < local_tokens:
+        raise ValueError(
+            f"num_tokens_in_step={num_tokens_in_step} is below this micro-batch's "
+            f"{local_tokens} kept tokens; sum count_loss_tokens over the step"
+        )
+
+    rollout = rollout_logprobs.detach()
+    old = rollout if old_logprobs is None else old_logprobs.detach()
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    zeros = torch.zeros_like(logprobs)
+    # Padding may hold any value (even -inf); zero the log ratios there before exp so that
+    # neither the loss nor the gradient can become inf or nan.
+    log_r = torch.where(kept, logprobs - old, zeros)
+    r = log_r.exp()
+    with torch.no_grad():
+        is_ratio, weight = _importance_weights(
+            torch.where(kept, old - rollout, zeros), kept, config
+        )
+
+    surrogate = torch.minimum(r * adv, r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv)
+    per_token = torch.where(kept, -weight * surrogate, zeros)
+    loss = per_token.sum() / max(num_tokens_in_step, 1)
+
+    with torch.no_grad():
+        share = 1.0 / max(local_tokens, 1)
+        rho_log = torch.where(kept, logprobs - rollout, zeros)
+        k3 = rho_log.exp() - 1.0 - rho_log
+        metrics = {
+            "kept_tokens": float(local_tokens),
+            "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
+            "clip_frac_low": share * float((kept & (adv < 0) & (r < 1.0 - config.clip_low)).sum()),
+            "clip_frac_high": share
+            * float((kept & (adv > 0) & (r > 1.0 + config.clip_high)).sum()),
+            "is_ratio_mean": share * float(is_ratio[kept].sum()),
+            "is_ratio_max": float(is_ratio[kept].max()) if local_tokens else 0.0,
+            "is_truncated_frac": share * float((kept & (weight > 0) & (weight < is_ratio)).sum()),
+            "is_masked_frac": share * float((kept & (weight == 0)).sum()),
+            "approx_kl": share * float(k3.sum()),
+        }
+    return loss, metrics
+
+
+def _check_shapes(
+    logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    weight_versions: Tensor,
+) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B,T], got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    named = {
+        "rollout_logprobs": rollout_logprobs,
+        "old_logprobs": old_logprobs,
+        "loss_mask": loss_mask,
+        "weight_versions": weight_versions,
+    }
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs {tuple(shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be [B] or [B,T] = {tuple(shape)}, got {tuple(advantages.shape)}"
+        )
