@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,22 +77,17 @@ class Proxy:
         self.finalized = asyncio.Condition()
         self.sessions: Sessions
         self.completions: Completions
-        self.models: list[dict[str, Any]] = []
 
     async def start(self) -> None:
         await self.store.open()
         await self.upstream.__aenter__()
-        self.models = await self.upstream.models()
-        model = self.models[0]
-        self.sessions = Sessions(self.store, self.tokenizer, model["id"])
+        self.sessions = Sessions(self.store, self.tokenizer, self.settings.model)
         await self.sessions.recover()
         self.completions = Completions(
             self.sessions,
             self.tokenizer,
             ReplyParser(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
             self.upstream,
-            model=model["id"],
-            max_model_len=model["max_model_len"],
             verify_prompt_ids=self.settings.verify_prompt_ids,
         )
 
@@ -147,7 +143,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": proxy.models}
+        return {"object": "list", "data": await proxy.upstream.models()}
 
     @app.post("/v1/sessions", status_code=201)
     async def create_session(request: Request) -> dict[str, Any]:
@@ -217,7 +213,7 @@ def create_app(settings: Settings) -> FastAPI:
             async with proxy.finalized:
                 try:
                     await asyncio.wait_for(proxy.finalized.wait(), _STREAM_KEEPALIVE_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield ": keepalive\n\n"
 
     @app.get("/health")
@@ -256,7 +252,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         error = exc.errors()[0]
         param = ".".join(str(p) for p in error["loc"][1:]) or None
-        return JSONResponse(BadRequest(f"invalid '{param}': {error['msg']}", param=param).body(), status_code=400)
+        return JSONResponse(
+            BadRequest(f"invalid '{param}': {error['msg']}", param=param).body(), status_code=400
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -22,8 +22,11 @@ def _serve(args: argparse.Namespace) -> int:
             log = Path(args.db).with_suffix(".vllm.log")
             logging.info("starting vLLM for %s (log: %s)", args.model, log)
             server = VLLMServer(
-                args.model, port=args.vllm_port, max_model_len=args.max_model_len,
-                extra_args=args.vllm_arg or [], log_path=log,
+                args.model,
+                port=args.vllm_port,
+                max_model_len=args.max_model_len,
+                extra_args=args.vllm_arg or [],
+                log_path=log,
             ).start()
             servers.append(server)
             upstreams.append(server.url)
@@ -66,8 +69,12 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the proxy (and vLLM, unless --upstream is given)")
-    serve.add_argument("--model", required=True, help="model path or id; its tokenizer and chat template are used")
-    serve.add_argument("--upstream", action="append", metavar="URL", help="a running vLLM server (repeatable)")
+    serve.add_argument(
+        "--model", required=True, help="model path or id; its tokenizer and chat template are used"
+    )
+    serve.add_argument(
+        "--upstream", action="append", metavar="URL", help="a running vLLM server (repeatable)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--db", default="molt-proxy.db", help="SQLite store path")
@@ -75,11 +82,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", help="vLLM reasoning parser name, as in `vllm serve`")
     serve.add_argument("--max-model-len", type=int, help="passed to the vLLM it launches")
     serve.add_argument("--vllm-port", type=int, help="port of the vLLM it launches (default: a free one)")
-    serve.add_argument("--vllm-arg", action="append", metavar="ARG", help="extra argument for the vLLM it launches")
+    serve.add_argument(
+        "--vllm-arg", action="append", metavar="ARG", help="extra argument for the vLLM it launches"
+    )
     serve.add_argument("--admin-key", help="require this bearer key on session, reward and trajectory routes")
     serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
-    serve.add_argument("--verify-prompt-ids", action="store_true",
-                       help="have vLLM echo prompt ids and fail a turn on any difference")
+    serve.add_argument(
+        "--verify-prompt-ids",
+        action="store_true",
+        help="have vLLM echo prompt ids and fail a turn on any difference",
+    )
     serve.set_defaults(run=_serve)
 
     exp = commands.add_parser("export", help="write finalized trajectories to JSONL or Parquet")

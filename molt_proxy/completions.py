@@ -15,7 +15,13 @@ from molt_proxy.sessions import Session, Sessions, request_hash
 from molt_proxy.stitching import plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.upstream import Upstream
-from molt_proxy.wire.openai import ChatCall, encode_reply, requested_max_tokens, sampling_fields, template_kwargs
+from molt_proxy.wire.openai import (
+    ChatCall,
+    encode_reply,
+    requested_max_tokens,
+    sampling_fields,
+    template_kwargs,
+)
 
 
 class Completions:
@@ -26,16 +32,12 @@ class Completions:
         parser: ReplyParser,
         upstream: Upstream,
         *,
-        model: str,
-        max_model_len: int,
         verify_prompt_ids: bool,
     ):
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.parser = parser
         self.upstream = upstream
-        self.model = model
-        self.max_model_len = max_model_len
         self.verify_prompt_ids = verify_prompt_ids
 
     async def complete(self, session: Session, call: ChatCall, body: bytes) -> dict[str, Any]:
@@ -47,7 +49,8 @@ class Completions:
                 return session.last_reply  # a retry of the request just answered
             rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
             plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
-            max_tokens = self._max_tokens(len(plan.ids), requested_max_tokens(call.request))
+            model = await self.upstream.model()
+            max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
             generation = await self.upstream.generate(
                 plan.ids, sampling_fields(call.request, max_tokens), return_prompt_ids=self.verify_prompt_ids
             )
@@ -59,7 +62,7 @@ class Completions:
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             body_out = encode_reply(
                 completion_id=completion_id,
-                model=self.model,
+                model=model.id,
                 reply=reply,
                 finish_reason=finish_reason,
                 prompt_tokens=len(plan.ids),
@@ -69,13 +72,14 @@ class Completions:
             await self.sessions.record(session, plan, generation, completion_id, body_hash, body_out)
             return body_out
 
-    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        room = self.max_model_len - prompt_len
-        if room <= 0 or (requested is not None and requested > room):
-            want = f" plus {requested} completion tokens" if requested is not None else ""
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request has {prompt_len} prompt tokens{want}",
-                param="messages",
-            )
-        return requested if requested is not None else room
+
+def _max_tokens(max_model_len: int, prompt_len: int, requested: int | None) -> int:
+    room = max_model_len - prompt_len
+    if room <= 0 or (requested is not None and requested > room):
+        want = f" plus {requested} completion tokens" if requested is not None else ""
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {max_model_len} tokens, but the "
+            f"request has {prompt_len} prompt tokens{want}",
+            param="messages",
+        )
+    return requested if requested is not None else room

@@ -32,9 +32,7 @@ class MoltError(Exception):
             self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class BadRequest(MoltError):

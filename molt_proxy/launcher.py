@@ -54,8 +54,15 @@ def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: lis
 class VLLMServer:
     """One vLLM server child process."""
 
-    def __init__(self, model: str, *, port: int | None = None, max_model_len: int | None = None,
-                 extra_args: list[str] | None = None, log_path: Path | None = None):
+    def __init__(
+        self,
+        model: str,
+        *,
+        port: int | None = None,
+        max_model_len: int | None = None,
+        extra_args: list[str] | None = None,
+        log_path: Path | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = vllm_command(model, self.port, max_model_len=max_model_len, extra=extra_args or [])

@@ -107,7 +107,11 @@ def _exact_tool_calls(text: str, calls: list[Any]) -> list[dict[str, Any]]:
         if found is not None:
             arguments, cursor = found
         result.append(
-            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
         )
     return result
 

@@ -78,7 +78,9 @@ class Sessions:
                 if not session.segments or session.segments[-1].index != turn.segment:
                     session.segments.append(Segment(index=turn.segment))
                 plan = PromptPlan(ids=[], new_ids=turn.new_ids, continues=True)
-                replayed = commit_turn(session.segments[-1], plan, turn.generation, turn.completion_id, self.tokenizer)
+                replayed = commit_turn(
+                    session.segments[-1], plan, turn.generation, turn.completion_id, self.tokenizer
+                )
                 replayed.created = turn.created
                 session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
             self._register(session)
@@ -89,7 +91,9 @@ class Sessions:
         if session.api_key:
             self._by_key[session.api_key] = session.id
 
-    async def create(self, session_id: str | None = None, group_id: str | None = None, with_key: bool = False) -> Session:
+    async def create(
+        self, session_id: str | None = None, group_id: str | None = None, with_key: bool = False
+    ) -> Session:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._open or await self.store.session_status(session_id) is not None:
             raise Conflict(f"session {session_id!r} already exists", param="session_id")
@@ -152,7 +156,9 @@ class Sessions:
             segment = open_segment
         else:
             segment = Segment(index=open_segment.index + 1 if open_segment else 0)
-        stored = StoredTurn(completion_id, segment.index, plan.new_ids, generation, time.time(), request_hash, reply)
+        stored = StoredTurn(
+            completion_id, segment.index, plan.new_ids, generation, time.time(), request_hash, reply
+        )
         await self.store.record_turn(session.id, stored)
         commit_turn(segment, plan, generation, completion_id, self.tokenizer).created = stored.created
         if segment is not open_segment:

@@ -15,10 +15,11 @@ import asyncio
 import json
 import sqlite3
 from array import array
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from molt_proxy.types import Generation, SessionStatus, Trajectory
 
@@ -89,6 +90,20 @@ class StoredTurn:
     reply: dict[str, Any]
 
 
+def _turn(
+    completion_id, segment, new_ids, sampled, logprobs, versions, finish_reason, created, request_hash, reply
+):
+    generation = Generation(
+        token_ids=_unpack("i", sampled),
+        logprobs=_unpack("d", logprobs),
+        weight_versions=_unpack("i", versions),
+        finish_reason=finish_reason,
+    )
+    return StoredTurn(
+        completion_id, segment, _unpack("i", new_ids), generation, created, request_hash, json.loads(reply)
+    )
+
+
 class Store:
     def __init__(self, path: str | Path):
         self.path = str(path)
@@ -142,27 +157,12 @@ class Store:
         ).fetchall()
         result = []
         for sid, group_id, api_key, status, created in rows:
-            turns = [
-                StoredTurn(
-                    completion_id=cid,
-                    segment=segment,
-                    new_ids=_unpack("i", new_ids),
-                    generation=Generation(
-                        token_ids=_unpack("i", sampled),
-                        logprobs=_unpack("d", logprobs),
-                        weight_versions=_unpack("i", versions),
-                        finish_reason=finish_reason,
-                    ),
-                    created=turn_created,
-                    request_hash=request_hash,
-                    reply=json.loads(reply),
-                )
-                for cid, segment, new_ids, sampled, logprobs, versions, finish_reason, turn_created, request_hash, reply in self.db.execute(
-                    "SELECT completion_id, segment, new_ids, sampled_ids, logprobs, versions, finish_reason,"
-                    " created, request_hash, reply FROM turns WHERE session_id = ? ORDER BY position",
-                    (sid,),
-                )
-            ]
+            rows = self.db.execute(
+                "SELECT completion_id, segment, new_ids, sampled_ids, logprobs, versions, finish_reason,"
+                " created, request_hash, reply FROM turns WHERE session_id = ? ORDER BY position",
+                (sid,),
+            )
+            turns = [_turn(*row) for row in rows]
             result.append((StoredSession(sid, group_id, api_key, SessionStatus(status), created), turns))
         return result
 

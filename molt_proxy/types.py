@@ -14,7 +14,7 @@ from typing import Any
 NOT_SAMPLED = -1
 
 
-class SessionStatus(str, enum.Enum):
+class SessionStatus(enum.StrEnum):
     OPEN = "open"
     REWARDED = "rewarded"
     UNREWARDED = "unrewarded"  # closed by TTL or shutdown without a final reward

@@ -13,8 +13,8 @@ answers to `UpstreamError` (502); its 4xx answers (a sampling field it rejects) 
 
 from __future__ import annotations
 
-import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,18 +57,24 @@ def parse_generation(body: dict[str, Any]) -> Generation:
     )
 
 
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+
+
 class Upstream:
-    """One vLLM OpenAI server."""
+    """One vLLM OpenAI server. It may come up after the proxy: model facts are fetched on
+    first use and kept."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._model: ModelInfo | None = None
 
     async def __aenter__(self) -> Upstream:
-        self._session = aiohttp.ClientSession(
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
-        )
+        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -85,7 +91,7 @@ class Upstream:
                 if resp.content_type == "application/json":
                     return await resp.json()
                 return await resp.text()
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
 
     async def generate(
@@ -96,6 +102,12 @@ class Upstream:
 
     async def models(self) -> list[dict[str, Any]]:
         return (await self._request("GET", "/v1/models"))["data"]
+
+    async def model(self) -> ModelInfo:
+        if self._model is None:
+            first = (await self.models())[0]
+            self._model = ModelInfo(first["id"], first["max_model_len"])
+        return self._model
 
     async def healthy(self) -> bool:
         try:

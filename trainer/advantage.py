@@ -16,11 +16,12 @@ import math
 from collections.abc import Sequence
 
 
-class Estimator(str, enum.Enum):
+class Estimator(enum.StrEnum):
     GRPO = "grpo"
     """(r - mean) / (std + eps), std of the group with Bessel's correction."""
     DR_GRPO = "dr_grpo"
-    """r - mean: GRPO without the std division, which biases towards too-easy/too-hard groups."""
+    """r - mean: GRPO without dividing by the std, which over-weights groups that are nearly
+    all right or all wrong (Liu et al. 2025, "Understanding R1-Zero-Like Training")."""
     RLOO = "rloo"
     """r_i - mean of the other rewards of the group: a baseline independent of the sample."""
     REINFORCE = "reinforce"

@@ -61,8 +61,8 @@ class LossConfig:
     """Cap of `truncate` and upper bound of `mask` (C = 2 as in TIS)."""
     max_staleness: int | None = 4
     """Sampled tokens more than this many weight versions older than the trainer's are
-    withheld and counted; None trains on any age. 4 is where AReaL's staleness ablation
-    still matched synchronous training."""
+    withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
+    this is) trains well a few versions behind once decoupled PPO corrects for it."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
@@ -75,8 +75,7 @@ class LossConfig:
             raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
         if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
             raise ValueError(
-                f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, "
-                f"is_high={self.is_high}"
+                f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
             )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
@@ -85,9 +84,7 @@ class LossConfig:
 # 2. Which tokens count ----------------------------------------------------------------------
 
 
-def _kept(
-    loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig
-) -> Tensor:
+def _kept(loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig) -> Tensor:
     """[B,T] bool: tokens the policy sampled recently enough to train on."""
     sampled = loss_mask.bool()
     if config.max_staleness is None:
@@ -108,9 +105,7 @@ def count_loss_tokens(
 # 3. Train/rollout importance weights --------------------------------------------------------
 
 
-def _importance_weights(
-    log_ratio: Tensor, kept: Tensor, config: LossConfig
-) -> tuple[Tensor, Tensor]:
+def _importance_weights(log_ratio: Tensor, kept: Tensor, config: LossConfig) -> tuple[Tensor, Tensor]:
     """(ratio, weight), both [B,T], from log(pi_old / mu) [B,T] that is 0 where not kept.
 
     At sequence level the ratio is exp(mean of the log ratios over kept tokens), i.e. the
@@ -180,9 +175,7 @@ def policy_loss(
     log_r = torch.where(kept, logprobs - old, zeros)
     r = log_r.exp()
     with torch.no_grad():
-        is_ratio, weight = _importance_weights(
-            torch.where(kept, old - rollout, zeros), kept, config
-        )
+        is_ratio, weight = _importance_weights(torch.where(kept, old - rollout, zeros), kept, config)
 
     surrogate = torch.minimum(r * adv, r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv)
     per_token = torch.where(kept, -weight * surrogate, zeros)
@@ -192,12 +185,14 @@ def policy_loss(
         share = 1.0 / max(local_tokens, 1)
         rho_log = torch.where(kept, logprobs - rollout, zeros)
         k3 = rho_log.exp() - 1.0 - rho_log
+        # the min picks the clipped term (no gradient) only on the side the advantage points to
+        clipped_low = kept & (adv < 0) & (r < 1.0 - config.clip_low)
+        clipped_high = kept & (adv > 0) & (r > 1.0 + config.clip_high)
         metrics = {
             "kept_tokens": float(local_tokens),
             "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
-            "clip_frac_low": share * float((kept & (adv < 0) & (r < 1.0 - config.clip_low)).sum()),
-            "clip_frac_high": share
-            * float((kept & (adv > 0) & (r > 1.0 + config.clip_high)).sum()),
+            "clip_frac_low": share * float(clipped_low.sum()),
+            "clip_frac_high": share * float(clipped_high.sum()),
             "is_ratio_mean": share * float(is_ratio[kept].sum()),
             "is_ratio_max": float(is_ratio[kept].max()) if local_tokens else 0.0,
             "is_truncated_frac": share * float((kept & (weight > 0) & (weight < is_ratio)).sum()),
@@ -228,6 +223,4 @@ def _check_shapes(
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs {tuple(shape)}")
     if advantages.shape not in (shape[:1], shape):
-        raise ValueError(
-            f"advantages must be [B] or [B,T] = {tuple(shape)}, got {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"advantages must be [B] or [B,T] = {tuple(shape)}, got {tuple(advantages.shape)}")

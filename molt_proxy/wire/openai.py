@@ -65,9 +65,7 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise BadRequest(f"{param} must be an object", param=param)
     role = message.get("role")
     if role not in ROLES:
-        raise BadRequest(
-            f"{param}.role {role!r} is not one of {sorted(ROLES)}", param=f"{param}.role"
-        )
+        raise BadRequest(f"{param}.role {role!r} is not one of {sorted(ROLES)}", param=f"{param}.role")
     content = message.get("content")
     if isinstance(content, list):
         content = "\n".join(_text_part(part, f"{param}.content") for part in content)

@@ -18,23 +18,17 @@ def test_grpo_divides_by_the_sample_std() -> None:
     expected = [-2 / std, -1 / std, 0.0, 3 / std]
     assert compute_advantages(REWARDS, Estimator.GRPO, eps=0.0) == pytest.approx(expected)
     # the population std, sqrt(14 / 4), would give 3 / 1.8708 = 1.6036 for the last one
-    assert compute_advantages(REWARDS, Estimator.GRPO, eps=0.0)[3] == pytest.approx(
-        1.3887, abs=1e-4
-    )
+    assert compute_advantages(REWARDS, Estimator.GRPO, eps=0.0)[3] == pytest.approx(1.3887, abs=1e-4)
 
 
 def test_grpo_binary_pair_gives_plus_minus_one_over_sqrt_two() -> None:
     # mean 0.5, deviations -0.5 / +0.5, sample std sqrt((0.25 + 0.25) / 1) = 0.7071
-    assert compute_advantages([0.0, 1.0], "grpo", eps=0.0) == pytest.approx(
-        [-0.7071, 0.7071], abs=1e-4
-    )
+    assert compute_advantages([0.0, 1.0], "grpo", eps=0.0) == pytest.approx([-0.7071, 0.7071], abs=1e-4)
 
 
 def test_grpo_eps_is_added_to_the_std() -> None:
     # std of [0, 1] is sqrt(0.5); with eps = 0.5 the divisor is 0.7071 + 0.5 = 1.2071
-    assert compute_advantages([0.0, 1.0], Estimator.GRPO, eps=0.5)[1] == pytest.approx(
-        0.5 / 1.2071, abs=1e-4
-    )
+    assert compute_advantages([0.0, 1.0], Estimator.GRPO, eps=0.5)[1] == pytest.approx(0.5 / 1.2071, abs=1e-4)
 
 
 def test_dr_grpo_subtracts_the_mean_only() -> None:
@@ -71,9 +65,7 @@ def test_group_relative_estimators_give_zero_when_all_rewards_are_equal(
     estimator: Estimator,
 ) -> None:
     # 0.1 * 3 is not exactly 0.3 in floating point: the result must still be ~0, not noise / eps
-    assert compute_advantages([0.1, 0.1, 0.1], estimator) == pytest.approx(
-        [0.0, 0.0, 0.0], abs=1e-9
-    )
+    assert compute_advantages([0.1, 0.1, 0.1], estimator) == pytest.approx([0.0, 0.0, 0.0], abs=1e-9)
 
 
 @pytest.mark.parametrize("estimator", [Estimator.GRPO, Estimator.DR_GRPO, Estimator.RLOO])

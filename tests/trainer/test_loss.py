@@ -15,7 +15,7 @@ from torch import Tensor
 from trainer.loss import LossConfig, count_loss_tokens, policy_loss
 
 BASE = -1.0
-# No clipping, no staleness bound: the tests that are about something else stay exact.
+# Symmetric clipping and no staleness bound, for the tests that are about something else.
 PLAIN = LossConfig(clip_low=0.2, clip_high=0.2, max_staleness=None)
 
 
@@ -48,9 +48,7 @@ def versions(mask: Tensor, version: int = 0) -> Tensor:
 def test_on_policy_loss_is_minus_mean_advantage_over_sampled_tokens() -> None:
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
     logprobs = base(2, 3).requires_grad_()
-    loss, metrics = policy_loss(
-        logprobs, base(2, 3), adv(2.0, -1.0), mask, versions(mask), 0, PLAIN
-    )
+    loss, metrics = policy_loss(logprobs, base(2, 3), adv(2.0, -1.0), mask, versions(mask), 0, PLAIN)
     # sampled tokens: two with A = 2, one with A = -1; (-2 - 2 + 1) / 3
     assert loss.item() == pytest.approx(-1.0)
     loss.backward()
@@ -114,9 +112,7 @@ def test_loss_gradient_raises_good_tokens_and_lowers_bad_ones() -> None:
 
     rollout = sampled_logprobs().detach()  # log(1/4) everywhere
     mask = ones(2, 3)
-    loss, _ = policy_loss(
-        sampled_logprobs(), rollout, adv(1.0, -1.0), mask, versions(mask), 0, PLAIN
-    )
+    loss, _ = policy_loss(sampled_logprobs(), rollout, adv(1.0, -1.0), mask, versions(mask), 0, PLAIN)
     loss.backward()
     # d(-A * logp / 6) / d logit: sampled id -A * (1 - 1/4) / 6, every other id +A * (1/4) / 6
     assert logits.grad[0, 0, 0].item() == pytest.approx(-0.75 / 6)
@@ -152,9 +148,7 @@ def test_token_truncation_caps_each_ratio_at_is_high() -> None:
 
 
 def test_token_mask_zeroes_tokens_outside_the_bounds_but_keeps_them_in_n() -> None:
-    config = LossConfig(
-        is_mode="mask", is_level="token", is_low=0.5, is_high=2.0, max_staleness=None
-    )
+    config = LossConfig(is_mode="mask", is_level="token", is_low=0.5, is_high=2.0, max_staleness=None)
     mask = ones(2, 3)
     old = logprobs_at([[3.0, 1.0, 0.4], [1.0, 1.5, 1.0]])
     loss, metrics = policy_loss(
@@ -182,9 +176,7 @@ def test_sequence_truncation_uses_the_geometric_mean_over_sampled_tokens() -> No
 
 
 def test_sequence_mask_drops_whole_sequences() -> None:
-    config = LossConfig(
-        is_mode="mask", is_level="sequence", is_low=0.5, is_high=2.0, max_staleness=None
-    )
+    config = LossConfig(is_mode="mask", is_level="sequence", is_low=0.5, is_high=2.0, max_staleness=None)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     old = logprobs_at([[4.0, 1.0, 0.25], [9.0, 1.0, 999.0]])
     loss, metrics = policy_loss(
@@ -210,9 +202,7 @@ def test_without_old_logprobs_ppo_clips_against_the_rollout_and_weights_are_one(
 
 def test_approx_kl_is_the_k3_estimate_against_the_rollout() -> None:
     mask = ones(1, 2)
-    _, metrics = policy_loss(
-        logprobs_at([[2.0, 1.0]]), base(1, 2), adv(1.0), mask, versions(mask), 0, PLAIN
-    )
+    _, metrics = policy_loss(logprobs_at([[2.0, 1.0]]), base(1, 2), adv(1.0), mask, versions(mask), 0, PLAIN)
     # rho - 1 - log rho: 2 - 1 - log 2 = 0.3069 and 0
     assert metrics["approx_kl"] == pytest.approx((1 - math.log(2)) / 2)
 
@@ -226,9 +216,7 @@ def test_tokens_beyond_max_staleness_are_withheld_and_counted() -> None:
     weight_versions = torch.tensor([[5, 3, 2], [-1, 4, 1]])
     # at version 5 the ages are [0, 2, 3], [-, 1, 4]: the ages 3 and 4 are too old
     logprobs = base(2, 3).requires_grad_()
-    loss, metrics = policy_loss(
-        logprobs, base(2, 3), adv(1.0, -1.0), mask, weight_versions, 5, config
-    )
+    loss, metrics = policy_loss(logprobs, base(2, 3), adv(1.0, -1.0), mask, weight_versions, 5, config)
     assert metrics["stale_tokens"] == 2.0
     assert count_loss_tokens(mask, weight_versions, 5, config) == 3
     assert loss.item() == pytest.approx((-1 - 1 + 1) / 3)
@@ -236,9 +224,7 @@ def test_tokens_beyond_max_staleness_are_withheld_and_counted() -> None:
     assert logprobs.grad[0, 2].item() == 0.0
     assert logprobs.grad[1, 2].item() == 0.0
 
-    unbounded, metrics = policy_loss(
-        base(2, 3), base(2, 3), adv(1.0, -1.0), mask, weight_versions, 5, PLAIN
-    )
+    unbounded, metrics = policy_loss(base(2, 3), base(2, 3), adv(1.0, -1.0), mask, weight_versions, 5, PLAIN)
     assert metrics["stale_tokens"] == 0.0
     assert unbounded.item() == pytest.approx((-3 + 2) / 5)
 
@@ -246,9 +232,7 @@ def test_tokens_beyond_max_staleness_are_withheld_and_counted() -> None:
 def test_a_step_of_only_stale_tokens_gives_zero_loss_and_gradient() -> None:
     mask = ones(1, 2)
     logprobs = base(1, 2).requires_grad_()
-    loss, metrics = policy_loss(
-        logprobs, base(1, 2), adv(1.0), mask, versions(mask, 0), 9, LossConfig()
-    )
+    loss, metrics = policy_loss(logprobs, base(1, 2), adv(1.0), mask, versions(mask, 0), 9, LossConfig())
     loss.backward()
     assert loss.item() == 0.0
     assert logprobs.grad.abs().sum().item() == 0.0
@@ -325,9 +309,7 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
 
 def test_padding_with_extreme_values_leaves_loss_and_gradient_finite() -> None:
     mask = torch.tensor([[1, 0], [1, 0]])
-    logprobs = torch.tensor(
-        [[BASE, 1e4], [BASE, -math.inf]], dtype=torch.float64, requires_grad=True
-    )
+    logprobs = torch.tensor([[BASE, 1e4], [BASE, -math.inf]], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([[BASE, 0.0], [BASE, 0.0]], dtype=torch.float64)
     loss, metrics = policy_loss(logprobs, rollout, adv(1.0, 1.0), mask, versions(mask), 0, PLAIN)
     loss.backward()
@@ -339,9 +321,7 @@ def test_padding_with_extreme_values_leaves_loss_and_gradient_finite() -> None:
 def test_num_tokens_in_step_below_the_local_count_is_refused() -> None:
     mask = ones(1, 3)
     with pytest.raises(ValueError, match="num_tokens_in_step"):
-        policy_loss(
-            base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, num_tokens_in_step=2
-        )
+        policy_loss(base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, num_tokens_in_step=2)
 
 
 def test_mismatched_shapes_are_refused() -> None:

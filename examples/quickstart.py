@@ -1,0 +1,83 @@
+"""The whole proxy on one machine, with nothing downloaded: build a tiny model, start vLLM
+and molt-proxy, run an unchanged agent through it, reward it, and show its exact record.
+
+    python examples/quickstart.py            # writes everything under runs/quickstart/
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).parent))
+from weather_agent import run_agent  # noqa: E402
+
+from molt_proxy.export import export  # noqa: E402
+from molt_proxy.launcher import free_port  # noqa: E402
+from molt_proxy.tinymodel import build_tiny_model  # noqa: E402
+
+RUN = Path("runs/quickstart")
+
+
+def main() -> None:
+    RUN.mkdir(parents=True, exist_ok=True)
+    model = RUN / "tiny-qwen3"
+    if not (model / "model.safetensors").exists():
+        print("building a tiny Qwen3 model that knows the weather script ...")
+        build_tiny_model(model, "qwen3")
+    db = RUN / "molt-proxy.db"
+    for stale in RUN.glob("molt-proxy.db*"):
+        stale.unlink()
+    port = free_port()
+    print("starting vLLM (CPU) and molt-proxy ...")
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "molt_proxy", "serve", "--model", str(model), "--port", str(port),
+         "--db", str(db), "--tool-call-parser", "hermes", "--max-model-len", "2048"],
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proxy)
+        session = httpx.post(f"{url}/v1/sessions", json={"group_id": "weather"}).json()
+        print(f"\nsession {session['session_id']}: agent base_url = {session['base_url']}\n")
+        run_agent(OpenAI(base_url=session["base_url"], api_key="unused"), model="tiny-qwen3")
+        reward = httpx.post(f"{url}/v1/rewards", json={"session_id": session["session_id"], "reward": 1.0})
+        reward.raise_for_status()
+        [trajectory] = httpx.get(f"{url}/v1/trajectories").json()["data"]
+        sampled = sum(trajectory["loss_mask"])
+        print(
+            f"\nrecorded trajectory seq={trajectory['seq']}: {len(trajectory['turns'])} turns, "
+            f"{len(trajectory['token_ids'])} tokens ({sampled} sampled by the policy), "
+            f"reward {trajectory['reward']}, segments in the episode: {len(reward.json()['trajectories'])}"
+        )
+    finally:
+        os.killpg(proxy.pid, signal.SIGTERM)
+        proxy.wait(timeout=60)
+    out = RUN / "trajectories.jsonl"
+    export(db, out, "jsonl")
+    print(f"store: {db}\nexport: {out}")
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"molt-proxy exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("molt-proxy did not start in time")
+
+
+if __name__ == "__main__":
+    main()

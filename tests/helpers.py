@@ -1,0 +1,112 @@
+"""Test helpers: replay a scripted conversation through a real client, and recompute
+logprobs with a float32 `transformers` forward."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from molt_proxy.tinymodel import Conversation
+
+
+def reply_as_message(message: Any) -> dict[str, Any]:
+    """What an agent appends to its history: the reply, unchanged."""
+    return message.model_dump(exclude_none=True)
+
+
+@dataclass
+class Run:
+    """An agent's state while it plays a script: its history and the replies it got."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)
+    replies: list[Any] = field(default_factory=list)
+    call_ids: dict[str, str] = field(default_factory=dict)
+    position: int = 0
+
+
+def play(
+    client: OpenAI,
+    conversation: Conversation,
+    *,
+    run: Run | None = None,
+    replies: int | None = None,
+    seed: int = 7,
+    **kwargs: Any,
+) -> Run:
+    """Send the conversation turn by turn, each time with the proxy's actual replies in the
+    history (as an agent would), and check every reply against the script. Stops after
+    `replies` more replies (or at the end); pass the returned run back to continue."""
+    run = run or Run()
+    goal = None if replies is None else len(run.replies) + replies
+    messages = conversation["messages"]
+    while run.position < len(messages) and (goal is None or len(run.replies) < goal):
+        scripted = messages[run.position]
+        run.position += 1
+        if scripted["role"] != "assistant":
+            message = dict(scripted)
+            if message["role"] == "tool":
+                message["tool_call_id"] = run.call_ids[message["tool_call_id"]]
+            run.history.append(message)
+            continue
+        extra = {"tools": conversation["tools"]} if conversation["tools"] else {}
+        reply = client.chat.completions.create(
+            model="tiny", messages=run.history, seed=seed, max_tokens=200, **extra, **kwargs
+        )
+        got = reply.choices[0].message
+        expected_calls = scripted.get("tool_calls") or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls or []] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected_calls
+        ]
+        if not expected_calls:
+            assert got.content == scripted["content"]
+        if scripted.get("reasoning_content"):
+            assert (got.model_extra or {}).get("reasoning_content", "").strip() == scripted[
+                "reasoning_content"
+            ]
+        for theirs, ours in zip(expected_calls, got.tool_calls or [], strict=True):
+            run.call_ids[theirs["id"]] = ours.id
+        run.history.append(reply_as_message(got))
+        run.replies.append(reply)
+    return run
+
+
+def trajectories(proxy_url: str, after: int = 0) -> list[dict[str, Any]]:
+    return httpx.get(f"{proxy_url}/v1/trajectories", params={"after": after, "limit": 1000}).json()["data"]
+
+
+@cache
+def _load(model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def forward_logprobs(model_dir: Path, token_ids: list[int]) -> list[float]:
+    """[T] log p(token_t | tokens_<t) under a float32 forward; position 0 gets 0.0."""
+    model = _load(str(model_dir))
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+    return [0.0, *logprobs.tolist()]
+
+
+def assert_exact(trajectory: dict[str, Any], model_dir: Path, tolerance: float = 1e-4) -> None:
+    """The record is internally consistent and its logprobs are the model's own."""
+    ids, mask, logprobs = trajectory["token_ids"], trajectory["loss_mask"], trajectory["logprobs"]
+    assert len(ids) == len(mask) == len(logprobs) == len(trajectory["weight_versions"])
+    sampled = set()
+    for turn in trajectory["turns"]:
+        assert turn["prompt_start"] <= turn["completion_start"] < turn["completion_end"]
+        sampled |= set(range(turn["completion_start"], turn["completion_end"]))
+    assert {i for i, m in enumerate(mask) if m} == sampled, "the mask must cover exactly the sampled ids"
+    reference = forward_logprobs(model_dir, ids)
+    for i in sorted(sampled):
+        assert abs(logprobs[i] - reference[i]) <= tolerance, (i, logprobs[i], reference[i])
+    assert all(logprobs[i] == 0.0 for i in range(len(ids)) if not mask[i])
+    assert all(trajectory["weight_versions"][i] == -1 for i in range(len(ids)) if not mask[i])

@@ -1,0 +1,98 @@
+"""Token-exact trajectories through the real proxy, a real vLLM on CPU and the openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+from openai import OpenAI
+
+from molt_proxy.tinymodel import thinking_episode, weather_episode
+from molt_proxy.tokenizer import Tokenizer
+from tests.helpers import assert_exact, play, trajectories
+
+
+def _render_first_request(model_dir, conversation) -> list[int]:
+    tokenizer = Tokenizer.load(str(model_dir))
+    first_reply = next(i for i, m in enumerate(conversation["messages"]) if m["role"] == "assistant")
+    text = tokenizer.render(conversation["messages"][:first_reply], conversation["tools"], {})
+    return tokenizer.encode(text)
+
+
+def _episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) -> None:
+    client = OpenAI(base_url=proxy.base_url(session), api_key="unused")
+    replies = play(client, conversation).replies
+    assert len(replies) == 5
+    description = httpx.get(f"{proxy.url}/v1/sessions/{session}").json()
+    assert len(description["segments"]) == 1, description
+    assert (
+        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1.0}).status_code == 200
+    )
+    [trajectory] = trajectories(proxy.url)
+    assert trajectory["session_id"] == session and trajectory["reward"] == 1.0
+    assert [t["completion_id"] for t in trajectory["turns"]] == [r.id for r in replies]
+    ids = trajectory["token_ids"]
+    # The first prompt is exactly the tokenized render; every later prompt the proxy sent is
+    # the record so far (vLLM echoed each prompt and the proxy checked it: --verify-prompt-ids).
+    first = _render_first_request(model_dir, conversation)
+    assert ids[: trajectory["turns"][0]["completion_start"]] == first
+    for reply, turn in zip(replies, trajectory["turns"], strict=True):
+        assert reply.usage.prompt_tokens == turn["completion_start"]
+        assert reply.usage.completion_tokens == turn["completion_end"] - turn["completion_start"]
+    assert_exact(trajectory, model_dir)
+
+
+def test_qwen3_five_turn_tool_episode_is_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    _episode_is_one_exact_segment(proxy, qwen3_model, weather_episode("hermes"), "weather-qwen3")
+
+
+def test_llama_five_turn_tool_episode_is_one_exact_segment(llama_model, llama_vllm, start_proxy):
+    proxy = start_proxy(llama_model, llama_vllm, "--tool-call-parser", "llama3_json")
+    _episode_is_one_exact_segment(proxy, llama_model, weather_episode("llama3_json"), "weather-llama")
+
+
+def test_qwen3_think_stripping_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
+    proxy = start_proxy(
+        qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
+    )
+    client = OpenAI(base_url=proxy.base_url("thinker"), api_key="unused")
+    replies = play(client, thinking_episode()).replies
+    httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "thinker", "reward": 0.5}).raise_for_status()
+    first, second = trajectories(proxy.url)
+    assert (first["segment"], second["segment"]) == (0, 1)
+    assert [t["completion_id"] for t in first["turns"]] == [replies[0].id]
+    assert [t["completion_id"] for t in second["turns"]] == [replies[1].id]
+    assert first["reward"] == second["reward"] == 0.5
+    # The new segment starts from the full re-render, where the first <think> block is gone.
+    assert "<think>" not in Tokenizer.load(str(qwen3_model)).hf.decode(second["token_ids"][:20])
+    for trajectory in (first, second):
+        assert_exact(trajectory, qwen3_model)
+
+
+def test_compacting_agent_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    client = OpenAI(base_url=proxy.base_url("compactor"), api_key="unused")
+    conversation = weather_episode("hermes")
+    history = conversation["messages"][:2]
+    first = client.chat.completions.create(
+        model="tiny", messages=history, tools=conversation["tools"], seed=7
+    )
+    # The agent drops its history and continues from a summary: a rewrite, not a continuation.
+    compacted = [
+        {
+            "role": "system",
+            "content": "You are a weather assistant. Summary so far: the user asked about Paris.",
+        },
+        {"role": "user", "content": "Thanks!"},
+    ]
+    second = client.chat.completions.create(model="tiny", messages=compacted, max_tokens=16, seed=7)
+    segments = httpx.get(f"{proxy.url}/v1/sessions/compactor").json()["segments"]
+    assert [s["turns"] for s in segments] == [[first.id], [second.id]]
+    httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "compactor", "reward": -1}).raise_for_status()
+    records = trajectories(proxy.url)
+    assert [(r["segment"], r["reward"]) for r in records] == [(0, -1.0), (1, -1.0)]
+    tokenizer = Tokenizer.load(str(qwen3_model))
+    assert records[1]["token_ids"][: records[1]["turns"][0]["completion_start"]] == tokenizer.encode(
+        tokenizer.render(compacted, None, {})
+    )
+    for record in records:
+        assert_exact(record, qwen3_model)
