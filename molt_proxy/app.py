@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -75,6 +77,7 @@ class Proxy:
         self.tokenizer = Tokenizer.load(settings.model)
         self.upstream = Upstream(settings.upstreams[0], timeout_s=settings.upstream_timeout_s)
         self.finalized = asyncio.Condition()
+        self.refresh_lock = asyncio.Lock()
         self.sessions: Sessions
         self.completions: Completions
 
@@ -216,11 +219,38 @@ def create_app(settings: Settings) -> FastAPI:
                 except TimeoutError:
                     yield ": keepalive\n\n"
 
+    @app.post("/v1/admin/weights")
+    async def refresh_weights(request: Request) -> dict[str, Any]:
+        """Load the trainer's new weights into every replica and label them `version`."""
+        proxy.authorize(request)
+        body = await _json_object(request)
+        weights_dir = _optional_str(body, "path")
+        version = body.get("version")
+        if weights_dir is None:
+            raise BadRequest("'path' is required", param="path")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise BadRequest("'version' must be a non-negative integer", param="version")
+        check_weights_dir(weights_dir)
+        started = time.monotonic()
+        async with proxy.refresh_lock:
+            await proxy.upstream.refresh_weights(weights_dir, version)
+        return {"version": version, "seconds": time.monotonic() - started}
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     return app
+
+
+def check_weights_dir(path: str) -> None:
+    """A failed reload leaves a vLLM engine dead on its next request (DESIGN §5), so refuse
+    anything that is not a complete safetensors checkpoint before touching a replica."""
+    folder = Path(path)
+    if not folder.is_absolute():
+        raise BadRequest("'path' must be absolute: vLLM resolves it in its own directory", param="path")
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise BadRequest(f"{path} has no config.json and *.safetensors weights", param="path")
 
 
 async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:

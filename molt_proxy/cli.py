@@ -42,11 +42,39 @@ def _serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             verify_prompt_ids=args.verify_prompt_ids,
         )
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        app = create_app(settings)
+        if not args.train:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+            return 0
+        _serve_and_train(app, args)
     finally:
         for server in servers:
             server.stop()
     return 0
+
+
+def _serve_and_train(app, args: argparse.Namespace) -> None:
+    """The proxy in a background thread, the trainer (a Ray actor) driven from this one."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from trainer.config import config_from_args
+    from trainer.run import train
+
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="molt-proxy", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise SystemExit("the proxy failed to start")
+        time.sleep(0.1)
+    try:
+        train(config_from_args(args, f"http://{args.host}:{args.port}", args.model))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -92,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="have vLLM echo prompt ids and fail a turn on any difference",
     )
+    serve.add_argument(
+        "--train", action="store_true", help="also run the trainer (a Ray actor) on this machine"
+    )
+    from trainer.config import add_arguments
+
+    add_arguments(serve)
     serve.set_defaults(run=_serve)
 
     exp = commands.add_parser("export", help="write finalized trajectories to JSONL or Parquet")

@@ -109,6 +109,24 @@ class Upstream:
             self._model = ModelInfo(first["id"], first["max_model_len"])
         return self._model
 
+    async def refresh_weights(self, weights_dir: str, version: int) -> None:
+        """Load new weights without failing a request (DESIGN §5).
+
+        `pause?mode=keep` freezes in-flight requests instead of failing them and clears the
+        prefix cache (stale KV would give wrong tokens); they continue on `resume` with the
+        new weights, and vLLM labels each later token with the new version.
+        """
+        await self._request("POST", "/pause?mode=keep")
+        try:
+            await self._request(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+            )
+            await self._request("POST", "/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._request("POST", "/resume")
+
     async def healthy(self) -> bool:
         try:
             await self._request("GET", "/health")

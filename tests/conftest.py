@@ -111,3 +111,20 @@ def start_proxy(tmp_path: Path) -> Iterator:
     yield start
     for proxy in started:
         proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def digits_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny model with the small self-trained byte-level tokenizer (fast to train)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-digits"), "qwen3", fallback_tokenizer=True, teach=False
+    )
+
+
+@pytest.fixture(scope="session")
+def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    server = VLLMServer(
+        str(digits_model), max_model_len=256, log_path=tmp_path_factory.mktemp("vllm-digits") / "vllm.log"
+    )
+    with server:
+        yield server

@@ -1,0 +1,142 @@
+"""The whole loop on one machine, in minutes: agents → molt-proxy → vLLM → Ray trainer → new
+weights in vLLM, while the agents keep running.
+
+The task is small enough for a tiny random model on 2 CPU cores to visibly learn: each
+episode asks for a number, and the reward is the share of digits in the reply. A random
+model writes almost no digits (its small byte-level vocabulary has ~300 tokens), so the
+reward starts near 0 and has all the way to 1 to climb.
+
+    python examples/learn_digits.py      # writes runs/digits/ (reward_curve.png among it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+from molt_proxy.launcher import free_port
+from molt_proxy.tinymodel import build_tiny_model
+from trainer.metrics import read
+
+PROMPTS = ["Write a number.", "Give me some digits.", "Count for me.", "What is your favourite number?"]
+
+
+def digit_share(text: str) -> float:
+    """The reward: which share of the reply's characters are digits (0 for an empty reply)."""
+    return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+
+
+class Agents:
+    """`n` agent threads, each running episodes until told to stop; episodes are numbered so
+    that consecutive `group_size` of them share a group (and a prompt)."""
+
+    def __init__(self, proxy_url: str, n: int, group_size: int):
+        self.proxy_url, self.group_size = proxy_url, group_size
+        self.counter = itertools.count()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.episodes = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(n)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        http = httpx.Client(base_url=self.proxy_url, timeout=120)
+        while not self.stop.is_set():
+            with self.lock:
+                episode = next(self.counter)
+            group = episode // self.group_size
+            try:
+                session = http.post("/v1/sessions", json={"group_id": f"g{group}"}).json()
+                client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+                prompt = PROMPTS[group % len(PROMPTS)]
+                reply = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=1.0
+                )
+                reward = digit_share(reply.choices[0].message.content or "")
+                http.post("/v1/rewards", json={"session_id": session["session_id"], "reward": reward}).raise_for_status()
+                with self.lock:
+                    self.episodes += 1
+            except Exception as exc:  # an agent-visible error: counted and reported, never hidden
+                if not self.stop.is_set():
+                    self.errors.append(repr(exc))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="runs/digits")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    model = build_tiny_model(out / "model", "qwen3", fallback_tokenizer=True, teach=False, seed=args.seed)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "molt_proxy", "serve", "--model", str(model), "--port", str(port),
+        "--db", str(out / "molt-proxy.db"), "--max-model-len", "256", "--train",
+        "--train-out", str(out / "train"), "--max-steps", str(args.steps), "--lr", str(args.lr),
+        "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
+        "--group-timeout", "30", "--seed", str(args.seed),
+    ]  # fmt: skip
+    print("starting vLLM, molt-proxy and the Ray trainer ...", flush=True)
+    server = subprocess.Popen(command, start_new_session=True)
+    agents = Agents(url, args.agents, args.group_size)
+    try:
+        _wait_healthy(url, server)
+        agents.start()
+        server.wait()
+    finally:
+        agents.join()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    records = read(out / "train" / "metrics.jsonl")
+    quarter = max(1, len(records) // 4)
+    first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
+    last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
+    print(f"\n{agents.episodes} episodes, {len(agents.errors)} agent-visible errors")
+    print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
+    print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"molt-proxy exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("molt-proxy did not start in time")
+
+
+if __name__ == "__main__":
+    main()

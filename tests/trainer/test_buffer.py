@@ -1,0 +1,81 @@
+"""Complete groups, stragglers, unrewarded sessions, and the checkpoint's exactly-once state."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import checkpoint
+from trainer.advantage import Estimator
+from trainer.buffer import GroupBuffer
+from trainer.loop import group_advantages
+
+
+def traj(seq: int, session: str, group: str, reward: float | None = 1.0) -> dict:
+    return {"seq": seq, "session_id": session, "group_id": group, "reward": reward}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_group_is_released_when_it_has_group_size_sessions():
+    buffer = GroupBuffer(group_size=2, timeout_s=10, clock=Clock())
+    buffer.add(traj(1, "s1", "g"))
+    buffer.add(traj(2, "s1", "g"))  # a second segment of the same session
+    assert buffer.pop_ready() == []
+    buffer.add(traj(3, "s2", "g"))
+    [group] = buffer.pop_ready()
+    assert [t["seq"] for t in group.trajectories] == [1, 2, 3] and group.sessions == ["s1", "s2"]
+    assert buffer.pending() == []
+
+
+def test_stragglers_are_released_after_the_timeout_and_counted():
+    clock = Clock()
+    buffer = GroupBuffer(group_size=3, timeout_s=5, clock=clock)
+    buffer.add(traj(1, "s1", "slow"))
+    clock.now = 4.9
+    assert buffer.pop_ready() == []
+    clock.now = 5.0
+    [group] = buffer.pop_ready()
+    assert group.group_id == "slow" and buffer.timed_out == 1
+
+
+def test_unrewarded_trajectories_are_never_buffered():
+    buffer = GroupBuffer(group_size=1, timeout_s=5, clock=Clock())
+    buffer.add(traj(1, "s1", "g", reward=None))
+    assert buffer.pop_ready() == [] and buffer.skipped_unrewarded == 1
+
+
+def test_advantages_are_per_session_and_shared_by_its_segments():
+    buffer = GroupBuffer(group_size=2, timeout_s=5, clock=Clock())
+    for t in (traj(1, "a", "g", 1.0), traj(2, "a", "g", 1.0), traj(3, "b", "g", 0.0)):
+        buffer.add(t)
+    groups = buffer.pop_ready()
+    # Dr.GRPO: r - mean over the two sessions (1.0, 0.0) -> +0.5 / -0.5; "a" has two segments.
+    assert group_advantages(groups, Estimator.DR_GRPO, None) == [0.5, 0.5, -0.5]
+
+
+def test_checkpoint_round_trip_keeps_cursor_pending_and_history(tmp_path):
+    state = checkpoint.TrainerState(
+        step=3, version=3, cursor=42, pending=[traj(41, "s", "g")], trained=[[1, 2]]
+    )
+    checkpoint.save(tmp_path / "ckpt", state, {"weights": [1.0, 2.0]})
+    restored, policy_state = checkpoint.load(tmp_path / "ckpt")
+    assert restored == state and policy_state == {"weights": [1.0, 2.0]}
+    state.step = 4
+    checkpoint.save(tmp_path / "ckpt", state, {"weights": [3.0]})  # replaces the previous one whole
+    assert checkpoint.load(tmp_path / "ckpt")[0].step == 4
+    assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.old").exists()
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    assert checkpoint.load(tmp_path / "none") is None
+
+
+def test_group_size_must_be_positive():
+    with pytest.raises(ValueError):
+        GroupBuffer(group_size=0, timeout_s=1)

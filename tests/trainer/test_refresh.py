@@ -1,0 +1,157 @@
+"""Weight refresh under load: 16 agents keep running while vLLM gets new weights 3 times."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import torch
+from openai import OpenAI
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import reply_as_message
+
+
+def perturbed_weights(base, out, version: int):
+    """A new policy: the base weights plus seeded noise (as a trainer step would change them)."""
+    shutil.copytree(base, out)
+    state = load_file(base / "model.safetensors")
+    generator = torch.Generator().manual_seed(version)
+    for name, tensor in state.items():
+        state[name] = tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def greedy_ids(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+def test_refresh_under_load_is_invisible_to_agents_and_versions_are_exact(
+    digits_model, digits_vllm, start_proxy, tmp_path
+):
+    proxy = start_proxy(digits_model, digits_vllm)
+    # The shared server may hold another test's weights: start from the base as version 0.
+    reset = httpx.post(f"{proxy.url}/v1/admin/weights", json={"path": str(digits_model), "version": 0}, timeout=120)
+    assert reset.status_code == 200, reset.text
+    stop = threading.Event()
+    errors: list[str] = []
+    turns: list[tuple[float, float, str]] = []  # (sent, answered, completion id)
+    lock = threading.Lock()
+
+    def agent(index: int) -> None:
+        episode = 0
+        while not stop.is_set():
+            session = f"agent{index}-{episode}"
+            client = OpenAI(base_url=proxy.base_url(session), api_key="x", max_retries=0)
+            history = [{"role": "user", "content": f"Hello {index}."}]
+            try:
+                for turn in range(3):
+                    sent = time.monotonic()
+                    reply = client.chat.completions.create(
+                        model="m", messages=history, max_tokens=24, temperature=1.0
+                    )
+                    with lock:
+                        turns.append((sent, time.monotonic(), reply.id))
+                    history += [
+                        reply_as_message(reply.choices[0].message),
+                        {"role": "user", "content": f"more {turn}"},
+                    ]
+                httpx.post(
+                    f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1.0}
+                ).raise_for_status()
+            except Exception as exc:
+                errors.append(repr(exc))
+            episode += 1
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    refreshes: list[tuple[float, float]] = []  # (started, finished) per version 1..3
+    for version in (1, 2, 3):
+        time.sleep(2.0)
+        weights = perturbed_weights(digits_model, tmp_path / f"v{version}", version)
+        started = time.monotonic()
+        response = httpx.post(
+            f"{proxy.url}/v1/admin/weights", json={"path": str(weights), "version": version}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        refreshes.append((started, time.monotonic()))
+    time.sleep(2.0)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+
+    records = httpx.get(f"{proxy.url}/v1/trajectories", params={"limit": 10_000}).json()["data"]
+    by_completion = {}
+    for record in records:
+        sampled = [v for v, m in zip(record["weight_versions"], record["loss_mask"], strict=True) if m]
+        assert sampled == sorted(sampled), "versions within a trajectory never go back"
+        for turn in record["turns"]:
+            by_completion[turn["completion_id"]] = record["weight_versions"][
+                turn["completion_start"] : turn["completion_end"]
+            ]
+    assert {v for versions in by_completion.values() for v in versions} == {0, 1, 2, 3}
+    for sent, answered, completion_id in turns:
+        versions = by_completion.get(completion_id)
+        if versions is None:  # a turn of an episode still open when the agents stopped
+            continue
+        # A turn sent after refresh k finished never sees an older version; a turn answered
+        # before refresh k started never sees version k.
+        floor = sum(1 for _, finished in refreshes if finished < sent)
+        ceiling = sum(1 for started, _ in refreshes if started < answered)
+        assert floor <= min(versions) and max(versions) <= ceiling, (versions, floor, ceiling)
+
+    # After the last refresh, vLLM's greedy output is the new weights' greedy output.
+    client = OpenAI(base_url=proxy.base_url("greedy"), api_key="x")
+    reply = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Write a number."}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "greedy", "reward": 0}).raise_for_status()
+    [record] = [
+        r
+        for r in httpx.get(f"{proxy.url}/v1/trajectories", params={"limit": 10_000}).json()["data"]
+        if r["session_id"] == "greedy"
+    ]
+    turn = record["turns"][0]
+    prompt, sampled = (
+        record["token_ids"][: turn["completion_start"]],
+        record["token_ids"][turn["completion_start"] : turn["completion_end"]],
+    )
+    assert reply.usage.completion_tokens == len(sampled) == 12
+    assert set(record["weight_versions"][turn["completion_start"] :]) == {3}
+    assert sampled == greedy_ids(tmp_path / "v3", prompt, 12)
+    assert sampled != greedy_ids(digits_model, prompt, 12), "the refresh must change the policy"
+
+
+def test_refresh_refuses_a_bad_weights_folder_before_touching_vllm(
+    digits_model, digits_vllm, start_proxy, tmp_path
+):
+    proxy = start_proxy(digits_model, digits_vllm)
+    (tmp_path / "empty").mkdir()
+    for body, param in (
+        ({"path": "relative/dir", "version": 1}, "path"),
+        ({"path": str(tmp_path / "empty"), "version": 1}, "path"),
+        ({"path": str(digits_model), "version": -1}, "version"),
+        ({"version": 1}, "path"),
+    ):
+        response = httpx.post(f"{proxy.url}/v1/admin/weights", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    # The replica still serves (a failed reload would have left its engine dead).
+    client = OpenAI(base_url=proxy.base_url("alive"), api_key="x")
+    assert client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    ).id

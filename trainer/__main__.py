@@ -1,0 +1,5 @@
+import sys
+
+from trainer.run import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""Training metrics: one JSON line per step, a progress line, and the reward curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def progress_line(record: dict[str, Any], max_steps: int) -> str:
+    done = record["step"] / max_steps
+    bar = "█" * int(done * 20) + "·" * (20 - int(done * 20))
+    return (
+        f"step {record['step']:>4}/{max_steps} {bar} reward {record['reward_mean']:+.3f} "
+        f"| {record['tokens_per_s']:,.0f} tok/s | kl {record.get('approx_kl', 0.0):.4f} "
+        f"| staleness {record['staleness_mean']:.2f} | refresh {record.get('refresh_s', 0.0):.2f}s"
+    )
+
+
+def plot_reward_curve(records: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    window = max(1, len(rewards) // 10)
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.35, label="batch mean reward")
+    ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window})")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.set_title("molt-proxy: reward during training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)

@@ -1,0 +1,53 @@
+"""Run the trainer as a Ray actor and show its progress: `python -m trainer` or
+`molt-proxy serve --train`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import ray
+
+from trainer.config import TrainerConfig, add_arguments, config_from_args
+from trainer.loop import Trainer
+from trainer.metrics import progress_line, read
+
+log = logging.getLogger(__name__)
+
+
+def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Start (or join, with `ray_address`) Ray, run the trainer actor to `max_steps`."""
+    ray.init(
+        address=config.ray_address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=True
+    )
+    # The actor does its own threading; it must not wait for a Ray CPU slot on small machines.
+    actor = ray.remote(num_cpus=0)(Trainer).remote(config)
+    result_ref = actor.run.remote()
+    shown = 0
+    while True:
+        done, _ = ray.wait([result_ref], timeout=1.0)
+        records = read(config.out_dir / "metrics.jsonl")
+        if show_progress:
+            for record in records[shown:]:
+                print(progress_line(record, config.max_steps), flush=True)
+        shown = len(records)
+        if done:
+            result = ray.get(result_ref)
+            ray.kill(actor)
+            return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
+    parser.add_argument("--proxy-url", required=True)
+    parser.add_argument("--model", required=True, help="initial weights: the model vLLM serves")
+    parser.add_argument("--admin-key")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    result = train(config_from_args(args, args.proxy_url, args.model))
+    print(f"trained to step {result['step']} in {time.monotonic() - started:.0f} s; out: {args.train_out}")
+    return 0
