@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,8 @@ SESSION_KEY_PREFIX = "mp-sess-"
 @dataclass(slots=True)
 class Session:
     id: str
-    group_id: str
+    group_id: str | None
+    """Given at creation; otherwise derived from the first prompt when the session closes."""
     created: float
     api_key: str | None = None
     segments: list[Segment] = field(default_factory=list)
@@ -54,6 +56,16 @@ class Session:
                 for s in self.segments
             ],
         }
+
+
+def default_group(session: Session) -> str:
+    """A hash of the session's first rendered prompt: N attempts at one task group themselves
+    (DESIGN §3). A session without turns is its own group."""
+    if not session.segments or not session.segments[0].turns:
+        return session.id
+    first = session.segments[0]
+    prompt = first.token_ids[: first.turns[0].completion_start]
+    return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]
 
 
 def request_hash(body: bytes) -> str:
@@ -99,7 +111,7 @@ class Sessions:
             raise Conflict(f"session {session_id!r} already exists", param="session_id")
         session = Session(
             id=session_id,
-            group_id=group_id or session_id,
+            group_id=group_id,
             created=time.time(),
             api_key=SESSION_KEY_PREFIX + secrets.token_urlsafe(24) if with_key else None,
         )
@@ -179,13 +191,14 @@ class Sessions:
             if session.closed:
                 raise Conflict(f"session {session_id!r} is already closed", param="session_id")
             now = time.time()
+            group_id = session.group_id or default_group(session)
             trajectories = [
                 Trajectory(
                     seq=0,
                     trajectory_id=f"{session.id}:{segment.index}",
                     session_id=session.id,
                     segment=segment.index,
-                    group_id=session.group_id,
+                    group_id=group_id,
                     token_ids=segment.token_ids,
                     loss_mask=segment.loss_mask,
                     logprobs=segment.logprobs,

@@ -28,7 +28,7 @@ T = TypeVar("T")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
-    group_id TEXT NOT NULL,
+    group_id TEXT,
     api_key TEXT UNIQUE,
     status TEXT NOT NULL,
     reward REAL,
@@ -73,7 +73,7 @@ def _unpack(typecode: str, blob: bytes) -> list:
 @dataclass(slots=True)
 class StoredSession:
     id: str
-    group_id: str
+    group_id: str | None
     api_key: str | None
     status: SessionStatus
     created: float

@@ -99,3 +99,15 @@ def test_two_concurrent_sessions_never_mix(proxy):
         )
         assert f"I am {name}." in text and f"I am {other}." not in text and f"{other} 2" not in text
         assert len(records[name]["turns"]) == 4
+
+
+def test_sessions_without_a_group_are_grouped_by_their_first_prompt(proxy):
+    for name, text in (("same1", "task A"), ("same2", "task A"), ("other", "task B")):
+        ask(OpenAI(base_url=proxy.base_url(name), api_key="x"), text)
+        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": name, "reward": 0}).raise_for_status()
+    groups = {
+        r["session_id"]: r["group_id"]
+        for r in httpx.get(f"{proxy.url}/v1/trajectories", params={"limit": 1000}).json()["data"]
+    }
+    assert groups["same1"] == groups["same2"] != groups["other"]
+    assert groups["same1"].startswith("prompt-")

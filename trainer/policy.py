@@ -1,0 +1,254 @@
+"""The model side of training: token logprobs, one optimizer step, weights out for vLLM.
+
+Owns a `transformers` causal LM in float32 and its AdamW optimizer. `Policy` is a single
+process; with `fsdp=True` the same class runs as one rank of a data-parallel group under
+FSDP2 (`workers.py` starts the group and feeds each rank its shard of the step). It does not
+choose the data (the loop does), define the loss (`loss.py`) or talk to vLLM (the proxy does).
+
+One optimizer step per batch: the proximal policy of the loss (pi_old) is the current
+weights, so its logprobs are this step's own, detached, with no second forward pass. The PPO
+ratio is then 1 and its clip idle within the step; the train/rollout weight exp(pi_old - mu)
+is what corrects for vLLM sampling with other kernels or older weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import snapshot_download
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from trainer.batch import Batch
+from trainer.loss import LossConfig, count_loss_tokens, policy_loss
+
+# 1. Logprobs --------------------------------------------------------------------------------
+
+
+def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B,T] float32 log p(token_t | tokens_<t), aligned to positions; 0.0 at position 0 and on
+    padding. input_ids, attention_mask: [B,T], right-padded.
+
+    A float32 log_softmax, then a gather: the computation vLLM's sampler does for the logprobs
+    it records. On CPU that float32 normaliser over a 150k vocabulary is off by up to ~3e-4
+    from float64, and vLLM's numbers carry the same error; gathering the logit and subtracting
+    a (more accurate) logsumexp disagreed with them by 1.5e-4, this by 6e-6.
+
+    Cost: the [B,T,V] float32 logits and the [B,T,V] log_softmax, which the backward keeps.
+    At real vocabularies that is the trainer's largest tensor; chunking over T, or a fused
+    kernel, is the next step.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
+    logprobs = nn.functional.pad(picked.squeeze(-1), (1, 0))
+    return torch.where(attention_mask.bool(), logprobs, torch.zeros_like(logprobs))
+
+
+# 2. Metrics ---------------------------------------------------------------------------------
+
+_SUMMED = frozenset({"loss", "kept_tokens", "stale_tokens"})
+_MAXED = frozenset({"is_ratio_max"})
+_SHARED = frozenset({"grad_norm"})
+"""The same on every rank: the norm is of the whole, reduced gradient."""
+
+
+def merge_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from those of micro-batches or ranks: counts and the loss (already
+    divided by the step's N) add up, maxima take the max, shared values are taken once, and
+    every other metric (a share or mean over kept tokens) is averaged weighted by kept tokens."""
+    kept = sum(part["kept_tokens"] for part in parts)
+    merged = {}
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        if key in _SUMMED:
+            merged[key] = sum(values)
+        elif key in _MAXED:
+            merged[key] = max(values)
+        elif key in _SHARED:
+            merged[key] = values[0]
+        else:
+            weighted = sum(v * part["kept_tokens"] for v, part in zip(values, parts, strict=True))
+            merged[key] = weighted / max(kept, 1.0)
+    return merged
+
+
+# 3. The policy ------------------------------------------------------------------------------
+
+
+class Policy:
+    """A causal LM (float32) and AdamW, trained one step per batch.
+
+    model_dir: a Hugging Face folder (the weights vLLM started with, or a pushed version).
+    weight_decay: 0 by default; decay pulls towards zero, not towards the starting policy.
+    device: where the model lives; batches are moved there.
+    fsdp: shard every decoder layer and the root with FSDP2; needs an initialised process
+        group (one per rank, `workers.TrainWorker`).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lr: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        device: str | torch.device = "cpu",
+        fsdp: bool = False,
+    ):
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        # a hub id is resolved to its local snapshot: save_weights copies the folder's files
+        self.model_dir = (
+            Path(model_dir) if Path(model_dir).is_dir() else Path(snapshot_download(str(model_dir)))
+        )
+        self.device = torch.device(device)
+        self.max_grad_norm = max_grad_norm
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32).to(self.device)
+        # eval() for good: dropout would make the training forward disagree with the sampler.
+        self.model = model.eval()
+        if fsdp:
+            _shard(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
+
+    def train_step(
+        self,
+        micro_batches: Sequence[Batch],
+        current_version: int,
+        loss: LossConfig,
+        *,
+        num_tokens_in_step: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over all micro-batches, gradients accumulated in between.
+
+        current_version: the trainer's weight version, for the staleness bound.
+        num_tokens_in_step: N, the kept tokens of the whole step. None counts them here; a
+            data-parallel rank is given the count over all ranks, so every token of the
+            step weighs 1/N wherever it was computed.
+
+        Returns `policy_loss`'s metrics merged over micro-batches (`kept_tokens` adds up to
+        N), `loss` (the step's loss) and `grad_norm` (before clipping). A step whose every
+        token is stale or masked out leaves the weights alone (no decay, no momentum).
+        """
+        if not micro_batches:
+            raise ValueError("a step needs at least one micro-batch")
+        if num_tokens_in_step is None:
+            num_tokens_in_step = sum(
+                count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss)
+                for mb in micro_batches
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for micro_batch in micro_batches:
+            mb = micro_batch.to(self.device)
+            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+            value, metrics = policy_loss(
+                logprobs,
+                mb.rollout_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                mb.weight_versions,
+                current_version,
+                loss,
+                old_logprobs=logprobs.detach(),
+                num_tokens_in_step=num_tokens_in_step,
+            )
+            value.backward()
+            parts.append({"loss": value.item(), **metrics})
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        if num_tokens_in_step > 0:
+            self.optimizer.step()
+        return {**merge_metrics(parts), "grad_norm": float(grad_norm)}
+
+    def save_weights(self, out_dir: str | Path) -> None:
+        """Write a complete Hugging Face folder that vLLM can `reload_weights` from (or start
+        on): the weights as safetensors, and every other file of `model_dir` as it was
+        (config, tokenizer, chat template, generation config, licences).
+
+        Written to a sibling temporary folder and renamed into place, so a reader never sees
+        half a checkpoint. Under FSDP every rank must call this (the weights are gathered);
+        rank 0 writes.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        out = Path(out_dir)
+        tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, state_dict=state)
+        # The source's config.json, not the one written: an FSDP-wrapped model would name its
+        # wrapper class ("FSDPQwen3ForCausalLM") as the architecture, which vLLM cannot load.
+        for source in self.model_dir.iterdir():
+            if source.is_file() and not _is_weights(source):
+                shutil.copyfile(source, tmp / source.name)
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer"}: full (unsharded) state dicts on the CPU, keyed by parameter
+        name, so a checkpoint loads into any number of ranks. Empty on ranks other than 0.
+
+        "optimizer" is None before the first step: torch would initialise the state with a
+        zero-gradient step, which Adam counts in its bias correction. On a single process the
+        tensors are the live ones (as `nn.Module.state_dict`): save or copy them before the next
+        step.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optimizer = None
+        if self.optimizer.state:
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return {"model": get_model_state_dict(self.model, options=options), "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; under FSDP every rank gets the full dicts."""
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=options)
+        if state["optimizer"] is None:
+            self.optimizer.state.clear()  # saved before the first step: Adam starts afresh
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+
+
+def _shard(model: nn.Module) -> None:
+    """FSDP2 over the default process group: each decoder layer, then the rest at the root.
+
+    Gradients are reduce-scattered as a plain SUM. By default FSDP2 averages them over the
+    ranks (ReduceOp.AVG, or SUM then divide), which would scale the update by 1/world_size:
+    every rank's loss is already divided by the global N, so the sum of the ranks' gradients
+    is exactly the single-process gradient.
+    """
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _is_weights(path: Path) -> bool:
+    return path.suffix in (".safetensors", ".bin", ".pt") or path.name.endswith(".index.json")
