@@ -109,6 +109,10 @@ def main() -> None:
     try:
         _wait_healthy(url, server)
         agents.start()
+        # Agents run until the trainer's last step is logged; then the server winds down.
+        while server.poll() is None and len(read(out / "train" / "metrics.jsonl")) < args.steps:
+            time.sleep(0.2)
+        agents.join()
         server.wait()
     finally:
         agents.join()
@@ -119,9 +123,16 @@ def main() -> None:
     quarter = max(1, len(records) // 4)
     first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
     last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
-    print(f"\n{agents.episodes} episodes, {len(agents.errors)} agent-visible errors")
+    print(f"\n{agents.episodes} episodes, {len(agents.errors)} agent-visible errors {agents.errors[:3]}")
     print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
+    print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
+
+
+def sparkline(values: list[float]) -> str:
+    """The reward curve in the terminal, one character per step (0 → ▁, 1 → █)."""
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(len(bars) - 1, max(0, int(v * len(bars))))] for v in values)
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:

@@ -65,12 +65,14 @@ def play(
         assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls or []] == [
             (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected_calls
         ]
-        if not expected_calls:
-            assert got.content == scripted["content"]
         if scripted.get("reasoning_content"):
-            assert (got.model_extra or {}).get("reasoning_content", "").strip() == scripted[
-                "reasoning_content"
-            ]
+            # vLLM's Qwen3 parser keeps the newlines around a `<think>` block; the template
+            # strips them again on re-render.
+            reasoning = (got.model_extra or {}).get("reasoning_content", "")
+            assert reasoning.strip() == scripted["reasoning_content"]
+            assert got.content.lstrip("\n") == scripted["content"]
+        elif not expected_calls:
+            assert got.content == scripted["content"]
         for theirs, ours in zip(expected_calls, got.tool_calls or [], strict=True):
             run.call_ids[theirs["id"]] = ours.id
         run.history.append(reply_as_message(got))
