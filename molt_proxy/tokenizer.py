@@ -70,7 +70,9 @@ class Tokenizer:
     def _prepare(self, message: dict[str, Any]) -> dict[str, Any]:
         calls = message.get("tool_calls")
         if not calls:
-            return message
+            # `tool_calls: null` or `[]` (as some agents send) crash templates that test
+            # `is defined` (Llama-3.2's); vLLM drops the key too.
+            return {k: v for k, v in message.items() if k != "tool_calls"} if "tool_calls" in message else message
         prepared = []
         for call in calls:
             function = dict(call.get("function") or {})
