@@ -69,10 +69,15 @@ class Agents:
                 client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
                 prompt = PROMPTS[group % len(PROMPTS)]
                 reply = client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=1.0
+                    model="tiny",
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=8,
+                    temperature=1.0,
                 )
                 reward = digit_share(reply.choices[0].message.content or "")
-                http.post("/v1/rewards", json={"session_id": session["session_id"], "reward": reward}).raise_for_status()
+                http.post(
+                    "/v1/rewards", json={"session_id": session["session_id"], "reward": reward}
+                ).raise_for_status()
                 with self.lock:
                     self.episodes += 1
             except Exception as exc:  # an agent-visible error: counted and reported, never hidden

@@ -72,7 +72,11 @@ class Tokenizer:
         if not calls:
             # `tool_calls: null` or `[]` (as some agents send) crash templates that test
             # `is defined` (Llama-3.2's); vLLM drops the key too.
-            return {k: v for k, v in message.items() if k != "tool_calls"} if "tool_calls" in message else message
+            return (
+                {k: v for k, v in message.items() if k != "tool_calls"}
+                if "tool_calls" in message
+                else message
+            )
         prepared = []
         for call in calls:
             function = dict(call.get("function") or {})

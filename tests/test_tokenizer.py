@@ -39,7 +39,10 @@ def test_llama_gets_arguments_as_an_object():
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_tool_calls_null_renders_like_no_tool_calls(arch):
     tokenizer = load(arch)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": None}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "tool_calls": None},
+    ]
     without = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert tokenizer.render(messages, None, {}) == tokenizer.render(without, None, {})
 

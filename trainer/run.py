@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Start (or join, with `ray_address`) Ray, run the trainer actor to `max_steps`."""
-    ray.init(
-        address=config.ray_address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=True
-    )
+    # "local" starts a fresh instance: a bare init() may try to join the cluster that a killed
+    # earlier run left behind, and wait for its dead head.
+    ray.init(address=config.ray_address or "local", ignore_reinit_error=True, include_dashboard=False)
     # The actor does its own threading; it must not wait for a Ray CPU slot on small machines.
     actor = ray.remote(num_cpus=0)(Trainer).remote(config)
     result_ref = actor.run.remote()

@@ -56,15 +56,17 @@ for episode in itertools.count():
     s = http.post("/v1/sessions", json={{"group_id": f"g{{episode // 4}}"}}).json()
     r = OpenAI(base_url=s["base_url"], api_key="x").chat.completions.create(
         model="m", messages=[{{"role": "user", "content": "Write a number."}}], max_tokens=8)
-    http.post("/v1/rewards", json={{"session_id": s["session_id"], "reward": digit_share(r.choices[0].message.content or "")}})
+    reward = digit_share(r.choices[0].message.content or "")
+    http.post("/v1/rewards", json={{"session_id": s["session_id"], "reward": reward}})
 """
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
 
 def _trainer(proxy_url: str, model: Path, out: Path, steps: int) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "trainer", "--proxy-url", proxy_url, "--model", str(model), "--train-out", str(out),
-        "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1", "--lr", "1e-3",
+        sys.executable, "-m", "trainer", "--proxy-url", proxy_url, "--model", str(model),
+        "--train-out", str(out), "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1",
+        "--lr", "1e-3",
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=ROOT, start_new_session=True)
 
@@ -85,7 +87,11 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         os.killpg(first.pid, signal.SIGKILL)  # mid-run: between or inside steps
         first.wait()
         second = _trainer(proxy.url, digits_model, out, steps=8)
-        assert second.wait(timeout=600) == 0
+        try:
+            assert second.wait(timeout=600) == 0
+        finally:
+            if second.poll() is None:
+                os.killpg(second.pid, signal.SIGKILL)
     finally:
         stop_file.touch()
         agents.wait(timeout=120)

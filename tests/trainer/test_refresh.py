@@ -40,7 +40,9 @@ def test_refresh_under_load_is_invisible_to_agents_and_versions_are_exact(
 ):
     proxy = start_proxy(digits_model, digits_vllm)
     # The shared server may hold another test's weights: start from the base as version 0.
-    reset = httpx.post(f"{proxy.url}/v1/admin/weights", json={"path": str(digits_model), "version": 0}, timeout=120)
+    reset = httpx.post(
+        f"{proxy.url}/v1/admin/weights", json={"path": str(digits_model), "version": 0}, timeout=120
+    )
     assert reset.status_code == 200, reset.text
     stop = threading.Event()
     errors: list[str] = []
