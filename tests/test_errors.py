@@ -76,6 +76,11 @@ def test_message_without_content(proxy):
     assert_error(chat(proxy, {"model": "m", "messages": [{"role": "user"}]}), 400, param="messages.0.content")
 
 
+def test_empty_assistant_message(proxy):
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "?"}]
+    assert_error(chat(proxy, {"model": "m", "messages": empty}), 400, param="messages.1")
+
+
 def test_non_text_content_part(proxy):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
     assert_error(chat(proxy, {"model": "m", "messages": image}), 400, param="messages.0.content")

@@ -73,8 +73,16 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise BadRequest(f"{param}.content must be a string or an array of parts", param=f"{param}.content")
     if content is None and role in _NEEDS_CONTENT:
         raise BadRequest(f"{param} with role {role!r} needs 'content'", param=f"{param}.content")
-    if role == "assistant" and content is None and not message.get("tool_calls"):
-        raise BadRequest(f"{param}: an assistant message needs 'content' or 'tool_calls'", param=param)
+    # An echoed reply may hold only reasoning (vLLM's Qwen3 parser returns content null when
+    # the model never closed its <think> block): that is a real turn, not an empty one.
+    if (
+        role == "assistant"
+        and content is None
+        and not (message.get("tool_calls") or message.get("reasoning_content"))
+    ):
+        raise BadRequest(
+            f"{param}: an assistant message needs 'content', 'tool_calls' or 'reasoning_content'", param=param
+        )
     return {**message, "content": content} if "content" in message or content is not None else message
 
 
