@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from molt_proxy.launcher import free_port
+from molt_proxy.launcher import free_port, wait_healthy
 from molt_proxy.tinymodel import build_tiny_model
 from trainer.metrics import read
 
@@ -112,7 +112,7 @@ def main() -> None:
     server = subprocess.Popen(command, start_new_session=True)
     agents = Agents(url, args.agents, args.group_size)
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server, 600, what="molt-proxy")
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
         while server.poll() is None and len(read(out / "train" / "metrics.jsonl")) < args.steps:
@@ -138,20 +138,6 @@ def sparkline(values: list[float]) -> str:
     """The reward curve in the terminal, one character per step (0 → ▁, 1 → █)."""
     bars = "▁▂▃▄▅▆▇█"
     return "".join(bars[min(len(bars) - 1, max(0, int(v * len(bars))))] for v in values)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"molt-proxy exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("molt-proxy did not start in time")
 
 
 if __name__ == "__main__":

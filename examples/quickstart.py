@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from weather_agent import run_agent  # noqa: E402
 
 from molt_proxy.export import export  # noqa: E402
-from molt_proxy.launcher import free_port  # noqa: E402
+from molt_proxy.launcher import free_port, wait_healthy  # noqa: E402
 from molt_proxy.tinymodel import build_tiny_model  # noqa: E402
 
 RUN = Path("runs/quickstart")
@@ -44,7 +43,7 @@ def main() -> None:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proxy)
+        wait_healthy(url, proxy, 600, what="molt-proxy")
         session = httpx.post(f"{url}/v1/sessions", json={"group_id": "weather"}).json()
         print(f"\nsession {session['session_id']}: agent base_url = {session['base_url']}\n")
         run_agent(OpenAI(base_url=session["base_url"], api_key="unused"), model="tiny-qwen3")
@@ -63,20 +62,6 @@ def main() -> None:
     out = RUN / "trajectories.jsonl"
     export(db, out, "jsonl")
     print(f"store: {db}\nexport: {out}")
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"molt-proxy exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("molt-proxy did not start in time")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str) -> None:
+    """Poll `url`/health until it answers 200; fail early if `process` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} did not become healthy within {timeout_s:.0f} s")
+
+
 def on_cpu() -> bool:
     try:
         import torch
@@ -76,18 +91,12 @@ class VLLMServer:
         self.process = subprocess.Popen(
             self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.process.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM did not become healthy within {timeout_s:.0f} s; see {self.log_path}")
+        try:
+            wait_healthy(self.url, self.process, timeout_s, what=f"vLLM (log: {self.log_path})")
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

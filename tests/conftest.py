@@ -10,14 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from molt_proxy.launcher import VLLMServer, free_port
+from molt_proxy.launcher import VLLMServer, free_port, wait_healthy
 from molt_proxy.tinymodel import build_tiny_model, tokenizer_source
 
 MAX_MODEL_LEN = 2048
@@ -72,17 +70,8 @@ class ProxyProcess:
         ]  # fmt: skip
         log = open(self.db.with_suffix(".log"), "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the proxy exited: {self.db.with_suffix('.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the proxy did not start")
+        wait_healthy(self.url, self.process, 120, what=f"molt-proxy (log: {self.db.with_suffix('.log')})")
+        return self
 
     def kill9(self) -> None:
         assert self.process is not None
