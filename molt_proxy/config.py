@@ -28,6 +28,10 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ValueError("at least one upstream vLLM URL is needed")
+        if len(self.upstreams) > 1:
+            # Routing across replicas (stickiness, health, failover) is not built yet; using
+            # only the first URL silently would be worse than saying so.
+            raise ValueError("several --upstream replicas are not supported yet; give one")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
         self.db_path = Path(self.db_path)
