@@ -14,6 +14,7 @@ answers to `UpstreamError` (502); its 4xx answers (a sampling field it rejects) 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,14 @@ def parse_generation(body: dict[str, Any]) -> Generation:
 
 
 @dataclass(slots=True, frozen=True)
+class TokenDelta:
+    """Ids vLLM sampled since the previous streamed chunk, with their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True, frozen=True)
 class ModelInfo:
     id: str
     max_model_len: int
@@ -99,6 +108,45 @@ class Upstream:
     ) -> Generation:
         body = {"token_ids": prompt_ids, "sampling_params": sampling, "return_token_ids": return_prompt_ids}
         return parse_generation(await self._request("POST", "/inference/v1/generate", body))
+
+    async def stream(
+        self, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncIterator[TokenDelta | Generation]:
+        """Yield each `TokenDelta` as vLLM samples it, then the whole `Generation`.
+
+        vLLM sends the weight-version spans on the last chunk only, so versions are known
+        once the stream ends. Leaving the loop early closes the connection, and vLLM aborts
+        the request.
+        """
+        assert self._session is not None, "use `async with Upstream(...)`"
+        body = {"token_ids": prompt_ids, "sampling_params": sampling, "stream": True}
+        ids: list[int] = []
+        logprobs: list[float] = []
+        spans: list[dict[str, Any]] | None = None
+        finish_reason: str | None = None
+        try:
+            async with self._session.post(f"{self.base_url}/inference/v1/generate", json=body) as resp:
+                if resp.status >= 400:
+                    raise _status_error(resp.status, await resp.text())
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise _status_error(chunk["error"].get("code") or 500, json.dumps(chunk))
+                    for choice in chunk.get("choices") or []:
+                        delta = parse_generation({"choices": [choice]})
+                        spans = choice.get("weight_versions") or spans
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        if delta.token_ids:
+                            ids += delta.token_ids
+                            logprobs += delta.logprobs
+                            yield TokenDelta(delta.token_ids, delta.logprobs)
+        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            raise UpstreamUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+        if finish_reason is None:
+            raise UpstreamUnavailable(f"vLLM at {self.base_url} ended the stream before it finished")
+        yield Generation(ids, logprobs, parse_versions(spans, len(ids)), finish_reason)
 
     async def models(self) -> list[dict[str, Any]]:
         return (await self._request("GET", "/v1/models"))["data"]
