@@ -21,6 +21,7 @@ from molt_proxy.completions import Completions
 from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, MoltError, PayloadTooLarge, Unauthorized
 from molt_proxy.parsing import ReplyParser
+from molt_proxy.replicas import Replicas
 from molt_proxy.sessions import Session, Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
@@ -75,7 +76,10 @@ class Proxy:
         self.settings = settings
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
-        self.upstream = Upstream(settings.upstreams[0], timeout_s=settings.upstream_timeout_s)
+        self.upstream = Replicas(
+            [Upstream(url, timeout_s=settings.upstream_timeout_s) for url in settings.upstreams],
+            health_interval_s=settings.health_interval_s,
+        )
         self.finalized = asyncio.Condition()
         self.refresh_lock = asyncio.Lock()
         self.sessions: Sessions
@@ -83,7 +87,7 @@ class Proxy:
 
     async def start(self) -> None:
         await self.store.open()
-        await self.upstream.__aenter__()
+        await self.upstream.start()
         self.sessions = Sessions(self.store, self.tokenizer, self.settings.model)
         await self.sessions.recover()
         self.completions = Completions(
@@ -95,7 +99,7 @@ class Proxy:
         )
 
     async def stop(self) -> None:
-        await self.upstream.__aexit__()
+        await self.upstream.stop()
         await self.store.close()
 
     def authorize(self, request: Request, session: Session | None = None) -> None:
@@ -184,6 +188,7 @@ def create_app(settings: Settings) -> FastAPI:
         session = proxy.sessions.find(session_id)
         proxy.authorize(request, session)
         trajectories = await proxy.sessions.close(session_id, float(reward), info, SessionStatus.REWARDED)
+        proxy.upstream.release(session_id)
         async with proxy.finalized:
             proxy.finalized.notify_all()
         return {
@@ -233,12 +238,17 @@ def create_app(settings: Settings) -> FastAPI:
         check_weights_dir(weights_dir)
         started = time.monotonic()
         async with proxy.refresh_lock:
-            await proxy.upstream.refresh_weights(weights_dir, version)
-        return {"version": version, "seconds": time.monotonic() - started}
+            loaded = await proxy.upstream.refresh_weights(weights_dir, version)
+        return {"version": version, "seconds": time.monotonic() - started, "replicas": loaded}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        """200 while the proxy runs (it still answers sessions, rewards and trajectories);
+        `status` says whether vLLM replicas can take requests: ok, degraded (some) or down."""
+        replicas = proxy.upstream.describe()
+        up = sum(r["healthy"] for r in replicas)
+        status = "ok" if up == len(replicas) else "degraded" if up else "down"
+        return {"status": status, "replicas": replicas}
 
     return app
 

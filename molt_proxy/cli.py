@@ -15,33 +15,41 @@ def _serve(args: argparse.Namespace) -> int:
     from molt_proxy.config import Settings
     from molt_proxy.launcher import VLLMServer
 
+    # Settings first: a bad flag fails now, not after minutes of starting vLLM.
+    settings = Settings(
+        model=args.model,
+        upstreams=list(args.upstream or []),
+        replicas=args.replicas,
+        health_interval_s=args.health_interval,
+        host=args.host,
+        port=args.port,
+        db_path=Path(args.db),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        admin_key=args.admin_key,
+        max_request_bytes=args.max_request_bytes,
+        verify_prompt_ids=args.verify_prompt_ids,
+    )
     servers: list[VLLMServer] = []
-    upstreams = list(args.upstream or [])
     try:
-        if not upstreams:
-            log = Path(args.db).with_suffix(".vllm.log")
-            logging.info("starting vLLM for %s (log: %s)", args.model, log)
-            server = VLLMServer(
-                args.model,
-                port=args.vllm_port,
-                max_model_len=args.max_model_len,
-                extra_args=args.vllm_arg or [],
-                log_path=log,
-            ).start()
-            servers.append(server)
-            upstreams.append(server.url)
-        settings = Settings(
-            model=args.model,
-            upstreams=upstreams,
-            host=args.host,
-            port=args.port,
-            db_path=Path(args.db),
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            admin_key=args.admin_key,
-            max_request_bytes=args.max_request_bytes,
-            verify_prompt_ids=args.verify_prompt_ids,
-        )
+        if not settings.upstreams:
+            for index in range(settings.replicas):
+                suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
+                log = Path(args.db).with_suffix(suffix)
+                logging.info("starting vLLM for %s (log: %s)", args.model, log)
+                port = args.vllm_port + index if args.vllm_port else None
+                servers.append(
+                    VLLMServer(
+                        args.model,
+                        port=port,
+                        max_model_len=args.max_model_len,
+                        extra_args=args.vllm_arg or [],
+                        log_path=log,
+                    ).spawn()
+                )
+            for server in servers:  # they boot at the same time
+                server.wait()
+            settings.upstreams = [server.url for server in servers]
         app = create_app(settings)
         if not args.train:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -101,7 +109,24 @@ def parser() -> argparse.ArgumentParser:
         "--model", required=True, help="model path or id; its tokenizer and chat template are used"
     )
     serve.add_argument(
-        "--upstream", action="append", metavar="URL", help="a running vLLM server (repeatable)"
+        "--upstream",
+        action="append",
+        metavar="URL",
+        help="a running vLLM server; repeat it for several replicas",
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="without --upstream: launch K vLLM servers, each on its own port",
+    )
+    serve.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between replica health probes",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -109,7 +134,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", help="vLLM tool parser name, as in `vllm serve`")
     serve.add_argument("--reasoning-parser", help="vLLM reasoning parser name, as in `vllm serve`")
     serve.add_argument("--max-model-len", type=int, help="passed to the vLLM it launches")
-    serve.add_argument("--vllm-port", type=int, help="port of the vLLM it launches (default: a free one)")
+    serve.add_argument(
+        "--vllm-port", type=int, help="port of the (first) vLLM it launches; replicas take the next ones"
+    )
     serve.add_argument(
         "--vllm-arg", action="append", metavar="ARG", help="extra argument for the vLLM it launches"
     )

@@ -52,7 +52,10 @@ class Completions:
             model = await self.upstream.model()
             max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
             generation = await self.upstream.generate(
-                plan.ids, sampling_fields(call.request, max_tokens), return_prompt_ids=self.verify_prompt_ids
+                session.id,
+                plan.ids,
+                sampling_fields(call.request, max_tokens),
+                return_prompt_ids=self.verify_prompt_ids,
             )
             if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
                 raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")

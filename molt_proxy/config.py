@@ -11,7 +11,12 @@ class Settings:
     model: str
     """Path (or id) of the served model: its tokenizer and chat template are the proxy's."""
     upstreams: list[str] = field(default_factory=list)
-    """Base URLs of running vLLM servers (`--upstream`)."""
+    """Base URLs of running vLLM servers (`--upstream`, repeatable): the replicas. Empty:
+    `serve` launches `replicas` vLLM servers itself and fills this in."""
+    replicas: int = 1
+    """How many vLLM servers `serve` launches when no upstream is given (`--replicas`)."""
+    health_interval_s: float = 5.0
+    """Seconds between health probes of the replicas (`--health-interval`)."""
     host: str = "127.0.0.1"
     port: int = 8000
     db_path: Path = Path("molt-proxy.db")
@@ -26,12 +31,13 @@ class Settings:
     upstream_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.upstreams:
-            raise ValueError("at least one upstream vLLM URL is needed")
-        if len(self.upstreams) > 1:
-            # Routing across replicas (stickiness, health, failover) is not built yet; using
-            # only the first URL silently would be worse than saying so.
-            raise ValueError("several --upstream replicas are not supported yet; give one")
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if self.upstreams and self.replicas != 1:
+            # --replicas launches vLLM; with running servers each replica is one URL.
+            raise ValueError("give --upstream URLs or --replicas, not both")
+        if self.health_interval_s <= 0:
+            raise ValueError("health_interval_s must be positive")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
         self.db_path = Path(self.db_path)

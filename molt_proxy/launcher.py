@@ -85,12 +85,21 @@ class VLLMServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> VLLMServer:
+        return self.spawn().wait(timeout_s)
+
+    def spawn(self) -> VLLMServer:
+        """Start the process without waiting, so several replicas can boot at once."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        return self
+
+    def wait(self, timeout_s: float = 300.0) -> VLLMServer:
+        """Wait until the spawned server answers /health (stop it if it never does)."""
+        assert self.process is not None, "spawn() first"
         try:
             wait_healthy(self.url, self.process, timeout_s, what=f"vLLM (log: {self.log_path})")
         except TimeoutError:

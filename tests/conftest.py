@@ -54,19 +54,21 @@ def llama_vllm(llama_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 class ProxyProcess:
-    """`molt-proxy serve --upstream ...` as a child process that a test may kill -9."""
+    """`molt-proxy serve --upstream ...` as a child process that a test may kill -9.
+    `upstream` is one vLLM URL or a list of them (replicas)."""
 
-    def __init__(self, model: Path, upstream: str, db: Path, args: list[str]):
+    def __init__(self, model: Path, upstream: str | list[str], db: Path, args: list[str]):
         self.model, self.upstream, self.db, self.args = model, upstream, db, args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ProxyProcess:
+        urls = [self.upstream] if isinstance(self.upstream, str) else self.upstream
         command = [
             sys.executable, "-m", "molt_proxy", "serve", "--model", str(self.model),
-            "--upstream", self.upstream, "--port", str(self.port), "--db", str(self.db),
-            "--verify-prompt-ids", *self.args,
+            *[arg for url in urls for arg in ("--upstream", url)],
+            "--port", str(self.port), "--db", str(self.db), "--verify-prompt-ids", *self.args,
         ]  # fmt: skip
         log = open(self.db.with_suffix(".log"), "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,8 +94,10 @@ def start_proxy(tmp_path: Path) -> Iterator:
     """Start a proxy in front of a vLLM server: `start_proxy(model, vllm, *flags)`."""
     started: list[ProxyProcess] = []
 
-    def start(model: Path, vllm: VLLMServer, *args: str) -> ProxyProcess:
-        proxy = ProxyProcess(model, vllm.url, tmp_path / f"proxy{len(started)}.db", list(args)).start()
+    def start(model: Path, vllm: VLLMServer | list[str], *args: str) -> ProxyProcess:
+        """`vllm` is the server, or a list of vLLM URLs for a proxy over several replicas."""
+        upstream = vllm if isinstance(vllm, list) else vllm.url
+        proxy = ProxyProcess(model, upstream, tmp_path / f"proxy{len(started)}.db", list(args)).start()
         started.append(proxy)
         return proxy
 

@@ -1,0 +1,284 @@
+"""Several vLLM replicas behind one proxy (DESIGN §4): placement, health, failover, weights.
+
+- A session sticks to the replica that served its first turn, because that replica's prefix
+  cache holds the session's KV; its next turn only prefills the new suffix there.
+- A new session goes to the least loaded healthy replica: fewest requests in flight, then
+  fewest sticky sessions (in flight is what costs latency now; sessions are what will come).
+- A replica that cannot be reached (`UpstreamUnavailable`) is taken out, its sessions lose
+  their stickiness, and the request is retried on another replica. This loses nothing: the
+  proxy sends every turn's full exact prompt ids and records a turn only after vLLM
+  answered, so the other replica re-prefills the same tokens and samples the same way.
+  Any other error (a 4xx, a 5xx vLLM answered) is the request's, not the replica's, and is
+  raised as it is.
+- A background task probes `/health` on every replica: down ones come back, dead ones are
+  noticed without waiting for a request. A replica that comes back is first given the last
+  weights the trainer loaded (a restarted vLLM boots with its original weights, labelled
+  version 0), so it never serves stale weights under a wrong label.
+
+`upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from molt_proxy.errors import MoltError, UpstreamUnavailable
+from molt_proxy.types import Generation
+from molt_proxy.upstream import ModelInfo, Upstream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    """One vLLM server and what the router knows about it."""
+
+    upstream: Upstream
+    healthy: bool = False
+    in_flight: int = 0
+    """Requests sent through this proxy and not answered yet."""
+    sessions: int = 0
+    """Sessions that stick to it."""
+    requests: int = 0
+    """Requests it answered (for `/health`)."""
+    weight_version: int | None = None
+    """The version this proxy last loaded into it; None: the weights it booted with."""
+
+    @property
+    def url(self) -> str:
+        return self.upstream.base_url
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "sessions": self.sessions,
+            "requests": self.requests,
+            "weight_version": self.weight_version,
+        }
+
+
+class Replicas:
+    """Routes each session's requests to one of several `Upstream`s (see the module doc)."""
+
+    def __init__(
+        self,
+        upstreams: Sequence[Upstream],
+        *,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
+    ):
+        if not upstreams:
+            raise ValueError("at least one upstream vLLM is needed")
+        self._replicas = [Replica(upstream) for upstream in upstreams]
+        self._affinity: dict[str, Replica] = {}
+        self._weights: tuple[str, int] | None = None
+        """The last weights loaded (dir, version): what a returning replica is given first."""
+        self._weights_lock = asyncio.Lock()
+        self._health_interval_s = health_interval_s
+        self._health_timeout_s = health_timeout_s
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the clients and probe every replica once, so routing starts from the truth;
+        replicas that are not up yet are brought in by the health check when they are."""
+        for replica in self._replicas:
+            await replica.upstream.__aenter__()
+        await self.check_health()
+        self._watcher = asyncio.create_task(self._watch(), name="molt-proxy replica health")
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watcher
+        for replica in self._replicas:
+            await replica.upstream.__aexit__()
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def _place(self, affinity: str, tried: set[Replica]) -> Replica:
+        """The affinity's replica if it is healthy, else the least loaded healthy one."""
+        current = self._affinity.get(affinity)
+        if current is not None and current.healthy and current not in tried:
+            return current
+        candidates = [r for r in self._replicas if r.healthy and r not in tried]
+        if not candidates:
+            raise UpstreamUnavailable("no healthy vLLM replica")
+        chosen = min(candidates, key=lambda r: (r.in_flight, r.sessions))  # first wins ties
+        if current is not None:
+            current.sessions -= 1
+        self._affinity[affinity] = chosen
+        chosen.sessions += 1
+        return chosen
+
+    def _mark_down(self, replica: Replica, why: object) -> None:
+        """Take a replica out and free its sessions: their next turn is placed afresh."""
+        if replica.healthy:
+            log.warning("vLLM replica %s is down: %s", replica.url, why)
+        replica.healthy = False
+        replica.weight_version = None  # unknown until it is given weights again
+        for affinity in [a for a, r in self._affinity.items() if r is replica]:
+            del self._affinity[affinity]
+        replica.sessions = 0
+
+    async def generate(
+        self,
+        affinity: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        *,
+        return_prompt_ids: bool = False,
+    ) -> Generation:
+        """Generate on the affinity's replica; on `UpstreamUnavailable` fail over to another
+        (each replica is tried at most once per request)."""
+        tried: set[Replica] = set()
+        while True:
+            replica = self._place(affinity, tried)
+            tried.add(replica)
+            replica.in_flight += 1
+            try:
+                generation = await replica.upstream.generate(
+                    prompt_ids, sampling, return_prompt_ids=return_prompt_ids
+                )
+            except UpstreamUnavailable as exc:
+                self._mark_down(replica, exc)
+                continue
+            finally:
+                replica.in_flight -= 1
+            replica.requests += 1
+            return generation
+
+    async def stream(
+        self, affinity: str, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        """Pass through `Upstream.stream`. Fail over only before the first item: after it,
+        the agent has already seen tokens from this replica, so a retry could contradict them."""
+        tried: set[Replica] = set()
+        while True:
+            replica = self._place(affinity, tried)
+            tried.add(replica)
+            replica.in_flight += 1
+            started = False
+            try:
+                async with aclosing(replica.upstream.stream(prompt_ids, sampling)) as items:
+                    async for item in items:
+                        started = True
+                        yield item
+            except UpstreamUnavailable as exc:
+                self._mark_down(replica, exc)
+                if started:
+                    raise
+                continue
+            finally:
+                replica.in_flight -= 1
+            replica.requests += 1
+            return
+
+    def release(self, affinity: str) -> None:
+        """Forget a closed session's stickiness."""
+        replica = self._affinity.pop(affinity, None)
+        if replica is not None:
+            replica.sessions -= 1
+
+    # -- model facts -------------------------------------------------------------------------
+
+    async def models(self) -> list[dict[str, Any]]:
+        for replica in [r for r in self._replicas if r.healthy]:
+            try:
+                return await replica.upstream.models()
+            except UpstreamUnavailable as exc:
+                self._mark_down(replica, exc)
+        raise UpstreamUnavailable("no healthy vLLM replica")
+
+    async def model(self) -> ModelInfo:
+        for replica in [r for r in self._replicas if r.healthy]:
+            try:
+                return await replica.upstream.model()
+            except UpstreamUnavailable as exc:
+                self._mark_down(replica, exc)
+        raise UpstreamUnavailable("no healthy vLLM replica")
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def refresh_weights(self, weights_dir: str, version: int) -> list[str]:
+        """Load new weights into every healthy replica at once; returns the URLs loaded.
+
+        A replica that fails is taken out (a failed reload leaves a vLLM engine dead, DESIGN
+        §5) and gets these weights when it passes the health check again. The weights are
+        remembered only if some replica took them; if none did, the error is raised.
+        """
+        async with self._weights_lock:
+            targets = [r for r in self._replicas if r.healthy]
+            if not targets:
+                raise UpstreamUnavailable("no healthy vLLM replica to load weights into")
+            results = await asyncio.gather(
+                *(r.upstream.refresh_weights(weights_dir, version) for r in targets), return_exceptions=True
+            )
+            loaded = []
+            for replica, result in zip(targets, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._mark_down(replica, f"loading weights {version} failed: {result!r}")
+                else:
+                    replica.weight_version = version
+                    loaded.append(replica.url)
+            if not loaded:
+                error = results[0]
+                assert isinstance(error, BaseException)
+                raise error
+            self._weights = (weights_dir, version)
+            return loaded
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def healthy(self) -> bool:
+        """True when at least one replica can take requests."""
+        return any(r.healthy for r in self._replicas)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [r.describe() for r in self._replicas]
+
+    async def check_health(self) -> None:
+        """Probe every replica once (concurrently)."""
+        await asyncio.gather(*(self._check(r) for r in self._replicas))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # the watcher must outlive any one bad probe
+                log.exception("replica health check failed")
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            ok = await asyncio.wait_for(replica.upstream.healthy(), self._health_timeout_s)
+        except Exception as exc:  # a probe that cannot finish is a failed probe
+            ok, why = False, exc
+        else:
+            why = "/health failed"
+        if not ok:
+            self._mark_down(replica, why)
+            return
+        if replica.healthy:
+            return
+        # Back (or up for the first time): give it the current weights before any traffic.
+        async with self._weights_lock:
+            if self._weights is not None:
+                weights_dir, version = self._weights
+                try:
+                    await replica.upstream.refresh_weights(weights_dir, version)
+                except MoltError as exc:
+                    log.warning("vLLM replica %s did not take weights %s: %s", replica.url, version, exc)
+                    return
+                replica.weight_version = version
+            replica.healthy = True
+        log.info("vLLM replica %s is up (weights version %s)", replica.url, replica.weight_version)
