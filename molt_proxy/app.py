@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -17,15 +18,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from molt_proxy.completions import Completions
+from molt_proxy.completions import Caller, Completions
 from molt_proxy.config import Settings
-from molt_proxy.errors import BadRequest, MoltError, PayloadTooLarge, Unauthorized
+from molt_proxy.errors import BadRequest, Conflict, MoltError, NotFound, PayloadTooLarge, Unauthorized
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
 from molt_proxy.sessions import Session, Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import SessionStatus
+from molt_proxy.types import SessionStatus, Trajectory
 from molt_proxy.upstream import Upstream
 from molt_proxy.wire.openai import decode_chat_request
 
@@ -98,6 +99,26 @@ class Proxy:
             verify_prompt_ids=self.settings.verify_prompt_ids,
         )
 
+    async def close_session(
+        self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus
+    ) -> list[Trajectory]:
+        trajectories = await self.sessions.close(session_id, reward, info, status)
+        self.upstream.release(session_id)
+        async with self.finalized:
+            self.finalized.notify_all()
+        return trajectories
+
+    async def expire_idle_sessions(self) -> None:
+        """Close sessions without a turn for `session_ttl_s` as unrewarded: kept, marked, and
+        skipped by the trainer, so an agent that crashed does not hold its group forever."""
+        ttl = self.settings.session_ttl_s
+        while True:
+            await asyncio.sleep(min(ttl / 4, 60.0))
+            for session_id in self.sessions.idle_since(time.time() - ttl):
+                with contextlib.suppress(NotFound, Conflict):
+                    info = {"closed_by": "ttl", "ttl_s": ttl}
+                    await self.close_session(session_id, None, info, SessionStatus.UNREWARDED)
+
     async def stop(self) -> None:
         await self.upstream.stop()
         await self.store.close()
@@ -118,9 +139,11 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await proxy.start()
+        expiry = asyncio.create_task(proxy.expire_idle_sessions())
         try:
             yield
         finally:
+            expiry.cancel()
             await proxy.stop()
 
     app = FastAPI(title="molt-proxy", lifespan=lifespan)
@@ -128,23 +151,35 @@ def create_app(settings: Settings) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
 
-    async def chat(request: Request, path_session: str | None) -> dict[str, Any]:
+    async def chat(request: Request, path_session: str | None) -> dict[str, Any] | StreamingResponse:
         body = await request.body()
         call = decode_chat_request(body)
-        header_session = request.headers.get("x-session-id")
         key = _bearer(request)
-        session_id = path_session or header_session
+        session_id = path_session or request.headers.get("x-session-id")
         if session_id is None and not (key and proxy.sessions.by_key(key)):
-            session_id = call.metadata.get("session_id")
-        session = await proxy.sessions.resolve(session_id, key if session_id is None else None)
-        return await proxy.completions.complete(session, call, body)
+            session_id = _metadata_session(call.metadata)
+        group_id = request.headers.get("x-group-id") or None
+        caller = Caller(session_id, key if session_id is None else None, group_id)
+        if not call.request.stream:
+            return await proxy.completions.complete(caller, call, body)
+        events = proxy.completions.stream(caller, call, body)
+        first = await anext(events)  # errors before vLLM answers become plain error responses
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict[str, Any]:
+        async def all_events() -> AsyncIterator[str]:
+            yield first
+            async for event in events:
+                yield event
+
+        return StreamingResponse(all_events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
         return await chat(request, None)
 
-    @app.post("/s/{session_id}/v1/chat/completions")
-    async def session_chat_completions(session_id: str, request: Request) -> dict[str, Any]:
+    @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
+    async def session_chat_completions(
+        session_id: str, request: Request
+    ) -> dict[str, Any] | StreamingResponse:
         return await chat(request, session_id)
 
     @app.get("/v1/models")
@@ -175,22 +210,31 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/rewards")
     async def post_reward(request: Request) -> dict[str, Any]:
+        """`{session_id | completion_id, reward, final = true, info}`: a final reward closes the
+        session; `final: false` with a `completion_id` rewards that one turn."""
         body = await _json_object(request)
         session_id = _optional_str(body, "session_id")
-        if session_id is None:
-            raise BadRequest("'session_id' is required", param="session_id")
+        completion_id = _optional_str(body, "completion_id")
+        if (session_id is None) == (completion_id is None):
+            raise BadRequest("give exactly one of 'session_id' and 'completion_id'", param="session_id")
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise BadRequest("'reward' must be a finite number", param="reward")
+        final = body.get("final", True)
+        if not isinstance(final, bool):
+            raise BadRequest("'final' must be a boolean", param="final")
         info = body.get("info", {})
         if not isinstance(info, dict):
             raise BadRequest("'info' must be an object", param="info")
-        session = proxy.sessions.find(session_id)
-        proxy.authorize(request, session)
-        trajectories = await proxy.sessions.close(session_id, float(reward), info, SessionStatus.REWARDED)
-        proxy.upstream.release(session_id)
-        async with proxy.finalized:
-            proxy.finalized.notify_all()
+        if completion_id is not None:
+            session_id = await proxy.sessions.of_completion(completion_id)
+        proxy.authorize(request, proxy.sessions.find(session_id))
+        if not final:
+            if completion_id is None:
+                raise BadRequest("a per-turn reward ('final': false) needs a 'completion_id'", param="final")
+            await proxy.sessions.reward_turn(completion_id, float(reward))
+            return {"session_id": session_id, "completion_id": completion_id, "status": "open"}
+        trajectories = await proxy.close_session(session_id, float(reward), info, SessionStatus.REWARDED)
         return {
             "session_id": session_id,
             "status": SessionStatus.REWARDED.value,
@@ -274,6 +318,13 @@ async def _json_object(request: Request, allow_empty: bool = False) -> dict[str,
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     return data
+
+
+def _metadata_session(metadata: dict[str, Any]) -> str | None:
+    value = metadata.get("session_id")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
+    return value
 
 
 def _optional_str(body: dict[str, Any], key: str) -> str | None:

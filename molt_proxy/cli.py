@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key,
         max_request_bytes=args.max_request_bytes,
         verify_prompt_ids=args.verify_prompt_ids,
+        session_ttl_s=args.session_ttl,
     )
     servers: list[VLLMServer] = []
     try:
@@ -142,6 +143,13 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--admin-key", help="require this bearer key on session, reward and trajectory routes")
     serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="close a session with no turn for this long, unrewarded",
+    )
     serve.add_argument(
         "--verify-prompt-ids",
         action="store_true",

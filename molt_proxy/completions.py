@@ -1,27 +1,49 @@
-"""One chat completion, end to end: render → stitch → generate → parse → record → reply.
+"""One chat completion, end to end: render → session → stitch → generate → parse → record → reply.
 
 This is the data path of DESIGN §2; everything it calls is pure or owned by one module.
-It runs under the session's lock, so a session's turns never interleave.
+A turn runs under its session's lock, so a session's turns never interleave.
+
+Streaming sends deltas as vLLM samples ids and records the turn once vLLM has finished, just
+before the last chunk goes out. A client that disconnects earlier cancels the stream: vLLM
+aborts the request and nothing is recorded, as if the request had never been sent (the agent
+never saw the whole reply, so it cannot be part of its history). A retry then samples anew.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from molt_proxy.errors import Conflict, ContextLengthExceeded, UpstreamError
+from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
-from molt_proxy.sessions import Session, Sessions, request_hash
-from molt_proxy.stitching import plan_prompt
+from molt_proxy.replicas import Replicas
+from molt_proxy.sessions import Sessions, request_hash
+from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.upstream import Upstream
+from molt_proxy.types import Generation
 from molt_proxy.wire.openai import (
     ChatCall,
+    delta_fields,
+    encode_chunk,
     encode_reply,
+    include_usage,
+    reply_as_delta,
     requested_max_tokens,
     sampling_fields,
     template_kwargs,
 )
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who sent a request: the session id and key it named, if any, and its group header."""
+
+    session_id: str | None
+    api_key: str | None
+    group_id: str | None
 
 
 class Completions:
@@ -30,7 +52,7 @@ class Completions:
         sessions: Sessions,
         tokenizer: Tokenizer,
         parser: ReplyParser,
-        upstream: Upstream,
+        upstream: Replicas,
         *,
         verify_prompt_ids: bool,
     ):
@@ -40,32 +62,93 @@ class Completions:
         self.upstream = upstream
         self.verify_prompt_ids = verify_prompt_ids
 
-    async def complete(self, session: Session, call: ChatCall, body: bytes) -> dict[str, Any]:
+    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
+        rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
         body_hash = request_hash(body)
-        async with session.lock:
-            if session.closed:
-                raise Conflict(f"session {session.id!r} is closed", param="session_id")
+        session = await self.sessions.acquire(
+            caller.session_id, caller.api_key, caller.group_id, rendered.encode()
+        )
+        try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
                 return session.last_reply  # a retry of the request just answered
-            rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
             plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
-            model = await self.upstream.model()
-            max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
+            model_id, sampling = await self._sampling(call, plan)
             generation = await self.upstream.generate(
-                session.id,
-                plan.ids,
-                sampling_fields(call.request, max_tokens),
-                return_prompt_ids=self.verify_prompt_ids,
+                session.id, plan.ids, sampling, return_prompt_ids=self.verify_prompt_ids
             )
             if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
                 raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
             reply, finish_reason = self.parser.parse(
                 generation.token_ids, generation.finish_reason, call.request, plan.ids
             )
-            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+            body_out = encode_reply(
+                completion_id=_new_completion_id(),
+                model=model_id,
+                reply=reply,
+                finish_reason=finish_reason,
+                prompt_tokens=len(plan.ids),
+                completion_tokens=len(generation.token_ids),
+                session_id=session.id,
+            )
+            await self.sessions.record(session, plan, generation, body_out["id"], body_hash, body_out)
+            return body_out
+        finally:
+            session.lock.release()
+
+    async def stream(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncIterator[str]:
+        """Server-sent events for a `stream: true` request.
+
+        Everything that can fail before vLLM answers (the render, the session, the context
+        length, an unreachable vLLM) fails before the first event, so the caller can send a
+        plain error response: the first event goes out only once vLLM has sampled.
+        """
+        rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
+        body_hash = request_hash(body)
+        session = await self.sessions.acquire(
+            caller.session_id, caller.api_key, caller.group_id, rendered.encode()
+        )
+        try:
+            if body_hash == session.last_request_hash and session.last_reply is not None:
+                for event in _replay(session.last_reply, include_usage(call.request)):
+                    yield event
+                return
+            plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
+            model_id, sampling = await self._sampling(call, plan)
+            completion_id, created = _new_completion_id(), int(time.time())
+
+            def event(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
+                return encode_chunk(
+                    completion_id=completion_id,
+                    created=created,
+                    model=model_id,
+                    session_id=session.id,
+                    delta=delta,
+                    finish_reason=finish_reason,
+                    **extra,
+                )
+
+            reply_stream = self.parser.stream(call.request, plan.ids)
+            generation: Generation | None = None
+            started = False
+            async for item in self.upstream.stream(session.id, plan.ids, sampling):
+                if not started:
+                    started = True
+                    yield event({"role": "assistant", "content": ""})
+                if isinstance(item, Generation):
+                    generation = item
+                    break
+                delta = reply_stream.feed(item.token_ids)
+                if delta is not None and (fields := delta_fields(delta)):
+                    yield event(fields)
+            assert generation is not None
+            last = reply_stream.finish(generation.finish_reason)
+            reply = reply_stream.reply
+            finish_reason = generation.finish_reason
+            if reply.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
             body_out = encode_reply(
                 completion_id=completion_id,
-                model=model.id,
+                model=model_id,
                 reply=reply,
                 finish_reason=finish_reason,
                 prompt_tokens=len(plan.ids),
@@ -73,7 +156,35 @@ class Completions:
                 session_id=session.id,
             )
             await self.sessions.record(session, plan, generation, completion_id, body_hash, body_out)
-            return body_out
+            yield event(delta_fields(last) if last is not None else {}, finish_reason)
+            if include_usage(call.request):
+                yield event(None, usage=body_out["usage"])
+            yield "data: [DONE]\n\n"
+        finally:
+            session.lock.release()
+
+    async def _sampling(self, call: ChatCall, plan: PromptPlan) -> tuple[str, dict[str, Any]]:
+        model = await self.upstream.model()
+        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
+        return model.id, sampling_fields(call.request, max_tokens)
+
+
+def _new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _replay(reply: dict[str, Any], with_usage: bool) -> list[str]:
+    common = {
+        "completion_id": reply["id"],
+        "created": reply["created"],
+        "model": reply["model"],
+        "session_id": reply["session_id"],
+    }
+    finish_reason = reply["choices"][0]["finish_reason"]
+    events = [encode_chunk(**common, delta=reply_as_delta(reply), finish_reason=finish_reason)]
+    if with_usage:
+        events.append(encode_chunk(**common, delta=None, usage=reply["usage"]))
+    return [*events, "data: [DONE]\n\n"]
 
 
 def _max_tokens(max_model_len: int, prompt_len: int, requested: int | None) -> int:

@@ -29,6 +29,8 @@ class Settings:
     verify_prompt_ids: bool = False
     """Ask vLLM to echo the prompt ids and fail the turn if they differ from what was sent."""
     upstream_timeout_s: float = 600.0
+    session_ttl_s: float = 3600.0
+    """A session with no turn for this long is closed unrewarded."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -38,6 +40,8 @@ class Settings:
             raise ValueError("give --upstream URLs or --replicas, not both")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be positive")
+        if self.session_ttl_s <= 0:
+            raise ValueError("session_ttl_s must be positive")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
         self.db_path = Path(self.db_path)

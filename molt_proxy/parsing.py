@@ -11,11 +11,15 @@ reply then re-renders to the very same bytes and the segment continues (DESIGN Â
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.parser import ParserManager
+from vllm.parser.abstract_parser import Parser
 from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
 
@@ -60,6 +64,9 @@ class ReplyParser:
             ReasoningParserManager.get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         )
         self.stop_ids = {tokenizer.eos_token_id, *tokenizer.generation_eos_ids}
+        # The streaming path uses vLLM's combined parser, with and without the tool half.
+        self._stream_cls = ParserManager.get_parser(tool_parser, reasoning_parser, enable_auto_tools=True)
+        self._stream_cls_no_tools = ParserManager.get_parser(None, reasoning_parser)
 
     def parse(
         self,
@@ -73,8 +80,7 @@ class ReplyParser:
         if finish_reason == "stop" and ids and ids[-1] in self.stop_ids | set(request.stop_token_ids or []):
             ids = ids[:-1]
         tool_parser = self._tool_parser(request)
-        skip_special = request.skip_special_tokens and tool_parser is None and self._reasoning_cls is None
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self._skip_special(request))
         text = _cut_at_stop_string(text, request.stop)
         reply = ParsedReply(content=text)
         if self._reasoning_cls is not None:
@@ -92,10 +98,119 @@ class ReplyParser:
             finish_reason = "tool_calls"
         return reply, finish_reason
 
+    def _tools_enabled(self, request: ChatCompletionRequest) -> bool:
+        return self._tool_cls is not None and bool(request.tools) and request.tool_choice != "none"
+
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
-        if self._tool_cls is None or not request.tools or request.tool_choice == "none":
+        return self._tool_cls(self.tokenizer.hf, request.tools) if self._tools_enabled(request) else None
+
+    def _skip_special(self, request: ChatCompletionRequest) -> bool:
+        """Parsers need special tokens (`<tool_call>`, `</think>`) in the text they read."""
+        return (
+            request.skip_special_tokens and not self._tools_enabled(request) and self._reasoning_cls is None
+        )
+
+    def stream(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> ReplyStream:
+        cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
+        parser = (
+            cls(self.tokenizer.hf, request.tools, chat_template_kwargs=request.chat_template_kwargs or {})
+            if cls is not None
+            else None
+        )
+        stop_ids = self.stop_ids | set(request.stop_token_ids or [])
+        return ReplyStream(self.tokenizer, parser, request, prompt_ids, stop_ids, self._skip_special(request))
+
+
+class ReplyStream:
+    """Sampled ids â†’ OpenAI deltas as they arrive, with vLLM's streaming parsers.
+
+    The text is what `ReplyParser.parse` reads, built incrementally from the exact bytes of
+    each id. Two things are held back until the next ids show they belong to the reply: a
+    trailing stop id (the model's end-of-turn is not content) and the tail that could still
+    grow into a stop string.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        parser: Parser | None,
+        request: ChatCompletionRequest,
+        prompt_ids: list[int],
+        stop_ids: set[int],
+        skip_special: bool,
+    ):
+        self.tokenizer, self.parser, self.request, self.prompt_ids = tokenizer, parser, request, prompt_ids
+        self.stop_ids, self.skip_special = stop_ids, skip_special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stop = request.stop or []
+        self._stop_strings = [stop] if isinstance(stop, str) else list(stop)
+        self._held_id: int | None = None
+        self._text = ""
+        """Decoded text not yet handed to the parser."""
+        self._stopped = False
+        self.reply = ParsedReply(content=None)
+        """Every delta so far, accumulated as the agent's client accumulates them."""
+
+    def feed(self, ids: list[int]) -> DeltaMessage | None:
+        if self._held_id is not None:
+            ids = [self._held_id, *ids]
+            self._held_id = None
+        if ids and ids[-1] in self.stop_ids:
+            self._held_id = ids.pop()
+        return self._advance(ids, finished=False)
+
+    def finish(self, finish_reason: str) -> DeltaMessage | None:
+        ids = [] if self._held_id is None or finish_reason == "stop" else [self._held_id]
+        return self._advance(ids, finished=True)
+
+    def _advance(self, ids: list[int], *, finished: bool) -> DeltaMessage | None:
+        if self.skip_special:
+            ids = [i for i in ids if i not in self.tokenizer.special_ids]
+        if not self._stopped:
+            self._text += self._decoder.decode(self.tokenizer.ids_bytes(ids), final=finished)
+        delta_text = self._release(finished)
+        if not delta_text and not finished:
             return None
-        return self._tool_cls(self.tokenizer.hf, request.tools)
+        if self.parser is None:
+            delta = DeltaMessage(content=delta_text) if delta_text else None
+        else:
+            delta = self.parser.parse_delta(
+                delta_text, ids, self.request, prompt_token_ids=self.prompt_ids, finished=finished
+            )
+        if delta is not None:
+            self._accumulate(delta)
+        return delta
+
+    def _release(self, finished: bool) -> str:
+        """The text that can go out now: up to a stop string, minus a tail that may start one."""
+        if self._stopped:
+            return ""
+        cut = min((i for i in (self._text.find(s) for s in self._stop_strings) if i != -1), default=-1)
+        if cut != -1:
+            self._stopped = True
+            out, self._text = self._text[:cut], ""
+            return out
+        keep = 0 if finished else max((len(s) - 1 for s in self._stop_strings), default=0)
+        out_len = max(len(self._text) - keep, 0)
+        out, self._text = self._text[:out_len], self._text[out_len:]
+        return out
+
+    def _accumulate(self, delta: DeltaMessage) -> None:
+        reply = self.reply
+        if delta.content:
+            reply.content = (reply.content or "") + delta.content
+        if delta.reasoning:
+            reply.reasoning_content = (reply.reasoning_content or "") + delta.reasoning
+        for call in delta.tool_calls:
+            while len(reply.tool_calls) <= call.index:
+                reply.tool_calls.append(
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+            slot = reply.tool_calls[call.index]
+            slot["id"] = call.id or slot["id"]
+            if call.function is not None:
+                slot["function"]["name"] += call.function.name or ""
+                slot["function"]["arguments"] += call.function.arguments or ""
 
 
 def _exact_tool_calls(text: str, calls: list[Any]) -> list[dict[str, Any]]:

@@ -3,6 +3,11 @@
 A session is one agent episode. It holds its segments (the last one open), a lock that
 serialises its turns, and the last request it answered (for idempotent retries). The
 registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
+
+A request without a session id joins the inferred session whose open segment its render
+continues byte for byte, or starts a new one. Sessions with the same history (N attempts at
+one task, sampled alike) are told apart by taking only an idle one: each agent's next turn
+lands on a different session, and after it their histories differ or stay interchangeable.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class Session:
     """Given at creation; otherwise derived from the first prompt when the session closes."""
     created: float
     api_key: str | None = None
+    inferred: bool = False
+    last_active: float = 0.0
     segments: list[Segment] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_request_hash: str | None = None
@@ -81,11 +88,15 @@ class Sessions:
         self.model = model
         self._open: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}
+        self._by_completion: dict[str, str] = {}
+        """Completion id → open session id: rewards may name any reply the agent received."""
 
     async def recover(self) -> int:
         """Rebuild every open session from the store; returns how many."""
         for stored, turns in await self.store.open_sessions():
-            session = Session(stored.id, stored.group_id, stored.created, stored.api_key)
+            session = Session(
+                stored.id, stored.group_id, stored.created, stored.api_key, stored.inferred, stored.created
+            )
             for turn in turns:
                 if not session.segments or session.segments[-1].index != turn.segment:
                     session.segments.append(Segment(index=turn.segment))
@@ -93,8 +104,9 @@ class Sessions:
                 replayed = commit_turn(
                     session.segments[-1], plan, turn.generation, turn.completion_id, self.tokenizer
                 )
-                replayed.created = turn.created
+                replayed.created, replayed.reward = turn.created, turn.reward
                 session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
+                session.last_active = turn.created
             self._register(session)
         return len(self._open)
 
@@ -102,40 +114,93 @@ class Sessions:
         self._open[session.id] = session
         if session.api_key:
             self._by_key[session.api_key] = session.id
+        for segment in session.segments:
+            for turn in segment.turns:
+                self._by_completion[turn.completion_id] = session.id
 
     async def create(
-        self, session_id: str | None = None, group_id: str | None = None, with_key: bool = False
+        self,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        *,
+        with_key: bool = False,
+        inferred: bool = False,
     ) -> Session:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._open or await self.store.session_status(session_id) is not None:
             raise Conflict(f"session {session_id!r} already exists", param="session_id")
+        now = time.time()
         session = Session(
             id=session_id,
             group_id=group_id,
-            created=time.time(),
+            created=now,
             api_key=SESSION_KEY_PREFIX + secrets.token_urlsafe(24) if with_key else None,
+            inferred=inferred,
+            last_active=now,
         )
         await self.store.create_session(
-            StoredSession(session.id, session.group_id, session.api_key, SessionStatus.OPEN, session.created)
+            StoredSession(
+                session.id, session.group_id, session.api_key, inferred, SessionStatus.OPEN, session.created
+            )
         )
         self._register(session)
         return session
 
-    async def resolve(self, session_id: str | None, api_key: str | None) -> Session:
-        """The session a chat request belongs to: by id (path, header or metadata; created on
-        first use) or by a session-scoped key."""
+    async def acquire(
+        self, session_id: str | None, api_key: str | None, group_id: str | None, rendered: bytes
+    ) -> Session:
+        """The session a chat request belongs to, locked for the turn: by id (path, header or
+        metadata; created on first use), by a session-scoped key, or inferred from `rendered`.
+        The caller releases `session.lock`."""
         if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
             session_id = self._by_key.get(api_key)
             if session_id is None:
                 raise Unauthorized("unknown or closed session key")
         if session_id is None:
-            return await self.create()
-        session = self._open.get(session_id)
-        if session is not None:
-            return session
-        if await self.store.session_status(session_id) is not None:
-            raise Conflict(f"session {session_id!r} is closed", param="session_id")
-        return await self.create(session_id)
+            session = await self._continued(rendered)
+            if session is None:
+                session = await self.create(group_id=group_id, inferred=True)
+                await session.lock.acquire()
+        else:
+            session = self._open.get(session_id)
+            if session is None:
+                if await self.store.session_status(session_id) is not None:
+                    raise Conflict(f"session {session_id!r} is closed", param="session_id")
+                session = await self.create(session_id, group_id)
+            await session.lock.acquire()
+        if session.closed or (group_id is not None and group_id != session.group_id):
+            session.lock.release()
+            if session.closed:
+                raise Conflict(f"session {session.id!r} is closed", param="session_id")
+            raise Conflict(
+                f"session {session.id!r} is in group {session.group_id!r}, not {group_id!r}",
+                param="X-Group-Id",
+            )
+        return session
+
+    async def _continued(self, rendered: bytes) -> Session | None:
+        """The inferred session whose open segment `rendered` continues (the longest), locked;
+        None if none does. Among equal candidates an idle one is taken; if all are busy, wait
+        for one to finish its turn and look again, since that turn changes its history."""
+        while True:
+            candidates: list[Session] = []
+            longest = 0
+            for session in self._open.values():
+                segment = session.open_segment
+                if not session.inferred or segment is None or len(segment.text) < longest:
+                    continue
+                if segment.turns and rendered.startswith(segment.text):
+                    if len(segment.text) > longest:
+                        candidates, longest = [], len(segment.text)
+                    candidates.append(session)
+            if not candidates:
+                return None
+            idle = next((s for s in candidates if not s.lock.locked()), None)
+            if idle is not None:
+                await idle.lock.acquire()  # free: returns without yielding to other requests
+                return idle
+            async with candidates[0].lock:
+                pass
 
     def find(self, session_id: str) -> Session | None:
         return self._open.get(session_id)
@@ -149,6 +214,33 @@ class Sessions:
     def by_key(self, api_key: str) -> Session | None:
         session_id = self._by_key.get(api_key)
         return self._open.get(session_id) if session_id else None
+
+    async def of_completion(self, completion_id: str) -> str:
+        """The id of the session a reply belongs to (open or closed)."""
+        session_id = self._by_completion.get(completion_id) or await self.store.session_of_completion(
+            completion_id
+        )
+        if session_id is None:
+            raise NotFound(f"no completion {completion_id!r}", param="completion_id")
+        return session_id
+
+    async def reward_turn(self, completion_id: str, reward: float) -> str:
+        """Attach a per-turn reward to one completion of an open session; returns the session id."""
+        session_id = await self.of_completion(completion_id)
+        session = self._open.get(session_id)
+        if session is None:
+            raise Conflict(f"session {session_id!r} is already closed", param="completion_id")
+        async with session.lock:
+            if session.closed:
+                raise Conflict(f"session {session_id!r} is already closed", param="completion_id")
+            turn = next(t for s in session.segments for t in s.turns if t.completion_id == completion_id)
+            await self.store.set_turn_reward(completion_id, reward)
+            turn.reward = reward
+        return session_id
+
+    def idle_since(self, cutoff: float) -> list[str]:
+        """Open sessions with no turn since `cutoff` (for the TTL)."""
+        return [s.id for s in self._open.values() if s.last_active < cutoff and not s.lock.locked()]
 
     async def record(
         self,
@@ -176,6 +268,8 @@ class Sessions:
         if segment is not open_segment:
             session.segments.append(segment)
         session.last_request_hash, session.last_reply = request_hash, reply
+        session.last_active = stored.created
+        self._by_completion[completion_id] = session.id
 
     async def close(
         self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus
@@ -217,4 +311,7 @@ class Sessions:
             del self._open[session.id]
             if session.api_key:
                 self._by_key.pop(session.api_key, None)
+            for segment in session.segments:
+                for turn in segment.turns:
+                    self._by_completion.pop(turn.completion_id, None)
         return stored

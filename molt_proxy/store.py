@@ -30,6 +30,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     group_id TEXT,
     api_key TEXT UNIQUE,
+    inferred INTEGER NOT NULL,
     status TEXT NOT NULL,
     reward REAL,
     info TEXT NOT NULL DEFAULT '{}',
@@ -48,7 +49,8 @@ CREATE TABLE IF NOT EXISTS turns (
     finish_reason TEXT NOT NULL,
     created REAL NOT NULL,
     request_hash TEXT NOT NULL,
-    reply TEXT NOT NULL
+    reply TEXT NOT NULL,
+    reward REAL
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -75,6 +77,8 @@ class StoredSession:
     id: str
     group_id: str | None
     api_key: str | None
+    inferred: bool
+    """Joined by continuation (no session id): only such sessions are candidates for it."""
     status: SessionStatus
     created: float
 
@@ -88,10 +92,21 @@ class StoredTurn:
     created: float
     request_hash: str
     reply: dict[str, Any]
+    reward: float | None = None
 
 
 def _turn(
-    completion_id, segment, new_ids, sampled, logprobs, versions, finish_reason, created, request_hash, reply
+    completion_id,
+    segment,
+    new_ids,
+    sampled,
+    logprobs,
+    versions,
+    finish_reason,
+    created,
+    request_hash,
+    reply,
+    reward,
 ):
     generation = Generation(
         token_ids=_unpack("i", sampled),
@@ -100,7 +115,14 @@ def _turn(
         finish_reason=finish_reason,
     )
     return StoredTurn(
-        completion_id, segment, _unpack("i", new_ids), generation, created, request_hash, json.loads(reply)
+        completion_id,
+        segment,
+        _unpack("i", new_ids),
+        generation,
+        created,
+        request_hash,
+        json.loads(reply),
+        reward,
     )
 
 
@@ -143,8 +165,16 @@ class Store:
     async def create_session(self, session: StoredSession) -> None:
         await self._run(
             self.db.execute,
-            "INSERT INTO sessions (id, group_id, api_key, status, created) VALUES (?, ?, ?, ?, ?)",
-            (session.id, session.group_id, session.api_key, session.status.value, session.created),
+            "INSERT INTO sessions (id, group_id, api_key, inferred, status, created)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                session.id,
+                session.group_id,
+                session.api_key,
+                session.inferred,
+                session.status.value,
+                session.created,
+            ),
         )
 
     async def open_sessions(self) -> list[tuple[StoredSession, list[StoredTurn]]]:
@@ -152,18 +182,19 @@ class Store:
 
     def _open_sessions(self) -> list[tuple[StoredSession, list[StoredTurn]]]:
         rows = self.db.execute(
-            "SELECT id, group_id, api_key, status, created FROM sessions WHERE status = ?",
+            "SELECT id, group_id, api_key, inferred, status, created FROM sessions WHERE status = ?",
             (SessionStatus.OPEN.value,),
         ).fetchall()
         result = []
-        for sid, group_id, api_key, status, created in rows:
+        for sid, group_id, api_key, inferred, status, created in rows:
             rows = self.db.execute(
                 "SELECT completion_id, segment, new_ids, sampled_ids, logprobs, versions, finish_reason,"
-                " created, request_hash, reply FROM turns WHERE session_id = ? ORDER BY position",
+                " created, request_hash, reply, reward FROM turns WHERE session_id = ? ORDER BY position",
                 (sid,),
             )
             turns = [_turn(*row) for row in rows]
-            result.append((StoredSession(sid, group_id, api_key, SessionStatus(status), created), turns))
+            stored = StoredSession(sid, group_id, api_key, bool(inferred), SessionStatus(status), created)
+            result.append((stored, turns))
         return result
 
     async def session_status(self, session_id: str) -> SessionStatus | None:
@@ -194,6 +225,20 @@ class Store:
                 turn.request_hash,
                 json.dumps(turn.reply),
             ),
+        )
+
+    async def session_of_completion(self, completion_id: str) -> str | None:
+        def query() -> str | None:
+            row = self.db.execute(
+                "SELECT session_id FROM turns WHERE completion_id = ?", (completion_id,)
+            ).fetchone()
+            return row[0] if row else None
+
+        return await self._run(query)
+
+    async def set_turn_reward(self, completion_id: str, reward: float) -> None:
+        await self._run(
+            self.db.execute, "UPDATE turns SET reward = ? WHERE completion_id = ?", (reward, completion_id)
         )
 
     # -- finalization ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ class Tokenizer:
         self._byte_decoder = {ch: b for b, ch in bytes_to_unicode().items()}
         self._added = {tok.content for tok in hf.added_tokens_decoder.values()}
         self._cache: dict[int, bytes] = {}
+        self.special_ids = frozenset(hf.all_special_ids)
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -135,4 +136,8 @@ class Tokenizer:
         return b"".join(self.token_bytes(i) for i in ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        """The exact text of `ids`: no clean-up of spaces (Llama-3.2's tokenizer asks for it),
+        so the reply re-renders to the bytes the model sampled."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self.ids_bytes(ids).decode(errors="replace")

@@ -33,6 +33,8 @@ class Turn:
     """One past the last sampled token."""
     finish_reason: str
     created: float = 0.0
+    reward: float | None = None
+    """A per-turn reward (`POST /v1/rewards` with this completion id and `final: false`)."""
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import torch
 from openai import OpenAI
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoModelForCausalLM
 
 from molt_proxy.tinymodel import Conversation
@@ -57,9 +58,21 @@ def play(
             run.history.append(message)
             continue
         extra = {"tools": conversation["tools"]} if conversation["tools"] else {}
-        reply = client.chat.completions.create(
-            model="tiny", messages=run.history, seed=seed, max_tokens=200, **extra, **kwargs
-        )
+        if kwargs.get("stream"):
+            chunks = client.chat.completions.create(
+                model="tiny",
+                messages=run.history,
+                seed=seed,
+                max_tokens=200,
+                stream_options={"include_usage": True},
+                **extra,
+                **kwargs,
+            )
+            reply = completion_from_chunks(list(chunks))
+        else:
+            reply = client.chat.completions.create(
+                model="tiny", messages=run.history, seed=seed, max_tokens=200, **extra, **kwargs
+            )
         got = reply.choices[0].message
         expected_calls = scripted.get("tool_calls") or []
         assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls or []] == [
@@ -78,6 +91,44 @@ def play(
         run.history.append(reply_as_message(got))
         run.replies.append(reply)
     return run
+
+
+def completion_from_chunks(chunks: list[ChatCompletionChunk]) -> ChatCompletion:
+    """Accumulate a streamed reply the way agents do (content and arguments concatenated,
+    tool calls by index) into the reply object a non-streaming call returns."""
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reason, usage = None, None
+    for chunk in chunks:
+        assert chunk.id == chunks[0].id
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            finish_reason = choice.finish_reason or finish_reason
+            if delta.content:
+                message["content"] = (message["content"] or "") + delta.content
+            reasoning = (delta.model_extra or {}).get("reasoning_content")
+            if reasoning:
+                message["reasoning_content"] = message.get("reasoning_content", "") + reasoning
+            for call in delta.tool_calls or []:
+                slot = calls.setdefault(
+                    call.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                slot["id"] += call.id or ""
+                slot["function"]["name"] += (call.function and call.function.name) or ""
+                slot["function"]["arguments"] += (call.function and call.function.arguments) or ""
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return ChatCompletion.model_validate(
+        {
+            "id": chunks[0].id,
+            "object": "chat.completion",
+            "created": chunks[0].created,
+            "model": chunks[0].model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+            "usage": usage.model_dump() if usage else None,
+        }
+    )
 
 
 def trajectories(proxy_url: str, after: int = 0) -> list[dict[str, Any]]:

@@ -97,6 +97,18 @@ def test_max_tokens_over_the_remaining_context(proxy):
     )
 
 
+def test_several_choices(proxy):
+    assert_error(chat(proxy, {"model": "m", "messages": USER, "n": 2}), 400, param="n")
+
+
+def test_metadata_session_id_must_be_a_string(proxy):
+    assert_error(
+        chat(proxy, {"model": "m", "messages": USER, "metadata": {"session_id": 7}}),
+        400,
+        param="metadata.session_id",
+    )
+
+
 def test_request_over_the_size_limit(proxy):
     assert_error(chat(proxy, {"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]}), 413)
 
@@ -197,6 +209,8 @@ def test_unreachable_vllm_gives_503(qwen3_model, tmp_path):
             chat(proxy, {"model": "m", "messages": USER}, path="/s/down/v1/chat/completions"), 503
         )
         assert error["type"] == "service_unavailable"
+        streamed = {"model": "m", "messages": USER, "stream": True}
+        assert_error(chat(proxy, streamed, path="/s/down/v1/chat/completions"), 503)
         assert_error(httpx.get(proxy.url + "/v1/models"), 503)
         assert httpx.get(proxy.url + "/v1/sessions/down").json()["segments"] == []
     finally:

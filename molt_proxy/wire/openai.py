@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from molt_proxy.errors import BadRequest
@@ -52,9 +53,9 @@ def decode_chat_request(body: bytes) -> ChatCall:
         param = ".".join(str(part) for part in error["loc"]) or None
         raise BadRequest(f"invalid value for '{param}': {error['msg']}", param=param) from None
     if request.n != 1:
+        # n choices would be n diverging episodes behind one request, and the agent can
+        # continue only one of them: sample N attempts as N sessions instead.
         raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
-    if request.stream:
-        raise BadRequest("streaming is not supported yet; send stream=false", param="stream")
     metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     return ChatCall(request, data["messages"], data.get("tools"), metadata)
 
@@ -126,6 +127,63 @@ def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
     return request.max_completion_tokens or request.max_tokens
 
 
+def include_usage(request: ChatCompletionRequest) -> bool:
+    return bool(request.stream_options and request.stream_options.include_usage)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def delta_fields(delta: DeltaMessage) -> dict[str, Any]:
+    """vLLM's delta in our reply's field names (`reasoning_content`, as in the full reply)."""
+    fields: dict[str, Any] = {}
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    if delta.tool_calls:
+        fields["tool_calls"] = [call.model_dump(exclude_none=True) for call in delta.tool_calls]
+    return fields
+
+
+def reply_as_delta(reply: dict[str, Any]) -> dict[str, Any]:
+    """A whole recorded reply as one delta (replaying a retried streaming request)."""
+    message = dict(reply["choices"][0]["message"])
+    message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+    return {k: v for k, v in message.items() if v or k == "role"}
+
+
+def encode_chunk(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    session_id: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+) -> str:
+    """One server-sent event of a streamed reply; `delta=None` is the trailing usage chunk."""
+    chunk: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "session_id": session_id,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 def encode_reply(
     *,
     completion_id: str,
@@ -147,10 +205,6 @@ def encode_reply(
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
         "session_id": session_id,
     }
