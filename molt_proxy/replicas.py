@@ -126,9 +126,10 @@ class Replicas:
             log.warning("vLLM replica %s is down: %s", replica.url, why)
         replica.healthy = False
         replica.weight_version = None  # unknown until it is given weights again
-        for affinity in [a for a, r in self._affinity.items() if r is replica]:
-            del self._affinity[affinity]
-        replica.sessions = 0
+        if replica.sessions:  # a scan of all sessions, only when some stick to it
+            for affinity in [a for a, r in self._affinity.items() if r is replica]:
+                del self._affinity[affinity]
+            replica.sessions = 0
 
     async def generate(
         self,
