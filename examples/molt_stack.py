@@ -76,7 +76,10 @@ def running_proxy(model: Path, run: Path) -> Iterator[str]:
         wait_healthy(url, proxy, 600, what="molt-proxy")
         yield url
     finally:
-        os.killpg(proxy.pid, signal.SIGTERM)
+        # SIGINT, not SIGTERM: uvicorn re-raises the signal it caught once it has shut down,
+        # and an unhandled SIGTERM would then end `serve` before it stops its vLLM server;
+        # SIGINT comes back as KeyboardInterrupt, and `serve` stops vLLM on its way out.
+        os.killpg(proxy.pid, signal.SIGINT)
         proxy.wait(timeout=60)
 
 
