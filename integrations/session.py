@@ -5,9 +5,10 @@ the agent's first call; the clients it hands out point at the session's own base
 (`/s/<id>/v1`) and use the session key, so every request lands in this episode whatever the
 agent sends. The final reward goes to `POST /v1/rewards`.
 
-A block that raises posts no reward: the session stays open and is never trained on (a
-crashed episode is not evidence about the policy, and reward 0 would teach it as if it were).
-A block that ends without `s.reward(...)` likewise leaves the session open.
+A block that raises posts no reward: the session stays open until the proxy's
+`--session-ttl` closes it as unrewarded, which the trainer skips (a crashed episode is not
+evidence about the policy, and reward 0 would teach it as if it were). A block that ends
+without `s.reward(...)` likewise leaves the session open.
 """
 
 from __future__ import annotations
