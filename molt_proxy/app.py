@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +29,8 @@ from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import SessionStatus, Trajectory
 from molt_proxy.upstream import Upstream
 from molt_proxy.wire.openai import decode_chat_request
+
+log = logging.getLogger(__name__)
 
 _STREAM_KEEPALIVE_S = 15.0
 
@@ -115,9 +117,13 @@ class Proxy:
         while True:
             await asyncio.sleep(min(ttl / 4, 60.0))
             for session_id in self.sessions.idle_since(time.time() - ttl):
-                with contextlib.suppress(NotFound, Conflict):
-                    info = {"closed_by": "ttl", "ttl_s": ttl}
+                info = {"closed_by": "ttl", "ttl_s": ttl}
+                try:
                     await self.close_session(session_id, None, info, SessionStatus.UNREWARDED)
+                except (NotFound, Conflict):
+                    pass  # rewarded meanwhile
+                except Exception:  # the sweep must outlive one failed close; it retries next time
+                    log.exception("closing idle session %s failed", session_id)
 
     async def stop(self) -> None:
         await self.upstream.stop()

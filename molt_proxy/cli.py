@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    """uvicorn re-raises the SIGTERM it shut down on; with the default handler that would kill
+    the process before `serve` stops the vLLM servers it launched, orphaning them."""
+    raise SystemExit(128 + signum)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     from molt_proxy.app import create_app
     from molt_proxy.config import Settings

@@ -27,6 +27,7 @@ from molt_proxy.types import Generation
 from molt_proxy.wire.openai import (
     ChatCall,
     delta_fields,
+    echoed_call_ids,
     encode_chunk,
     encode_reply,
     include_usage,
@@ -66,7 +67,7 @@ class Completions:
         rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
         body_hash = request_hash(body)
         session = await self.sessions.acquire(
-            caller.session_id, caller.api_key, caller.group_id, rendered.encode()
+            caller.session_id, caller.api_key, caller.group_id, rendered.encode(), echoed_call_ids(call)
         )
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
@@ -105,7 +106,7 @@ class Completions:
         rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
         body_hash = request_hash(body)
         session = await self.sessions.acquire(
-            caller.session_id, caller.api_key, caller.group_id, rendered.encode()
+            caller.session_id, caller.api_key, caller.group_id, rendered.encode(), echoed_call_ids(call)
         )
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:

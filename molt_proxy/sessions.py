@@ -5,9 +5,11 @@ serialises its turns, and the last request it answered (for idempotent retries).
 registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
 
 A request without a session id joins the inferred session whose open segment its render
-continues byte for byte, or starts a new one. Sessions with the same history (N attempts at
-one task, sampled alike) are told apart by taking only an idle one: each agent's next turn
-lands on a different session, and after it their histories differ or stay interchangeable.
+continues byte for byte, or starts a new one. Sessions whose histories render alike (N
+attempts at one task, sampled alike) are told apart by the tool-call ids the proxy minted for
+their replies, which the agent echoes but the template may not print; failing that, a request
+takes an idle one, so each attempt keeps a session of its own (truly identical histories are
+interchangeable: same tokens, same record).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Session:
     api_key: str | None = None
     inferred: bool = False
     last_active: float = 0.0
+    call_ids: set[str] = field(default_factory=set)
+    """Ids of the tool calls in this session's replies: an echoed history names them."""
     segments: list[Segment] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_request_hash: str | None = None
@@ -51,7 +55,7 @@ class Session:
     def describe(self) -> dict[str, Any]:
         return {
             "session_id": self.id,
-            "group_id": self.group_id,
+            "group_id": self.group_id or default_group(self),
             "status": "closed" if self.closed else "open",
             "segments": [
                 {
@@ -73,6 +77,10 @@ def default_group(session: Session) -> str:
     first = session.segments[0]
     prompt = first.token_ids[: first.turns[0].completion_start]
     return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]
+
+
+def _reply_call_ids(reply: dict[str, Any]) -> set[str]:
+    return {call["id"] for call in reply["choices"][0]["message"].get("tool_calls") or []}
 
 
 def request_hash(body: bytes) -> str:
@@ -107,6 +115,7 @@ class Sessions:
                 replayed.created, replayed.reward = turn.created, turn.reward
                 session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
                 session.last_active = turn.created
+                session.call_ids |= _reply_call_ids(turn.reply)
             self._register(session)
         return len(self._open)
 
@@ -147,17 +156,22 @@ class Sessions:
         return session
 
     async def acquire(
-        self, session_id: str | None, api_key: str | None, group_id: str | None, rendered: bytes
+        self,
+        session_id: str | None,
+        api_key: str | None,
+        group_id: str | None,
+        rendered: bytes,
+        call_ids: frozenset[str],
     ) -> Session:
         """The session a chat request belongs to, locked for the turn: by id (path, header or
-        metadata; created on first use), by a session-scoped key, or inferred from `rendered`.
-        The caller releases `session.lock`."""
+        metadata; created on first use), by a session-scoped key, or inferred from `rendered`
+        and the tool-call ids its messages echo. The caller releases `session.lock`."""
         if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
             session_id = self._by_key.get(api_key)
             if session_id is None:
                 raise Unauthorized("unknown or closed session key")
         if session_id is None:
-            session = await self._continued(rendered)
+            session = await self._continued(rendered, call_ids)
             if session is None:
                 session = await self.create(group_id=group_id, inferred=True)
                 await session.lock.acquire()
@@ -178,10 +192,11 @@ class Sessions:
             )
         return session
 
-    async def _continued(self, rendered: bytes) -> Session | None:
+    async def _continued(self, rendered: bytes, call_ids: frozenset[str]) -> Session | None:
         """The inferred session whose open segment `rendered` continues (the longest), locked;
-        None if none does. Among equal candidates an idle one is taken; if all are busy, wait
-        for one to finish its turn and look again, since that turn changes its history."""
+        None if none does. Among equal candidates the one whose tool calls the request echoes
+        wins, then an idle one; if the best are all busy, wait for one to finish its turn and
+        look again, since that turn changes its history."""
         while True:
             candidates: list[Session] = []
             longest = 0
@@ -195,6 +210,8 @@ class Sessions:
                     candidates.append(session)
             if not candidates:
                 return None
+            echoed = max(len(s.call_ids & call_ids) for s in candidates)
+            candidates = [s for s in candidates if len(s.call_ids & call_ids) == echoed]
             idle = next((s for s in candidates if not s.lock.locked()), None)
             if idle is not None:
                 await idle.lock.acquire()  # free: returns without yielding to other requests
@@ -269,6 +286,7 @@ class Sessions:
             session.segments.append(segment)
         session.last_request_hash, session.last_reply = request_hash, reply
         session.last_active = stored.created
+        session.call_ids |= _reply_call_ids(reply)
         self._by_completion[completion_id] = session.id
 
     async def close(

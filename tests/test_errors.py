@@ -109,6 +109,22 @@ def test_metadata_session_id_must_be_a_string(proxy):
     )
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": TOOLS}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"parallel_tool_calls": False, "tools": TOOLS}, "parallel_tool_calls"),
+    ],
+)
+def test_constraints_the_proxy_cannot_enforce_are_refused(proxy, extra, param):
+    assert_error(chat(proxy, {"model": "m", "messages": USER, **extra}), 400, param=param)
+
+
 def test_request_over_the_size_limit(proxy):
     assert_error(chat(proxy, {"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]}), 413)
 

@@ -17,7 +17,7 @@ from tests.helpers import assert_exact, reply_as_message, trajectories
 QUESTION = "What is the weather in Paris and London?"
 SYSTEMS = [
     "You are a weather assistant.",
-    "You are a weather assistant. Be brief.",
+    "You are a precise weather assistant.",
     "You are a helpful weather assistant.",
     "You are a weather bot.",
 ]
@@ -53,12 +53,13 @@ def reward(proxy: ProxyProcess, **body: Any) -> httpx.Response:
 def test_eight_agents_without_session_ids_get_eight_exact_sessions(qwen3_model, qwen3_vllm, start_proxy):
     proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
     client = OpenAI(base_url=proxy.base_url(), api_key="-", max_retries=0)
-    # 4 tasks, 2 attempts each: a pair sends byte-identical requests at temperature 0.
+    # 4 tasks, 2 attempts each: a pair sends byte-identical first requests at temperature 0 and
+    # gets the same tool calls back; only the tool-call ids the proxy minted tell them apart.
     with ThreadPoolExecutor(8) as pool:
         runs = list(pool.map(lambda i: agent(client, SYSTEMS[i // 2]), range(8)))
 
     sessions = [{r.model_extra["session_id"] for r in replies} for replies in runs]
-    assert all(len(s) == 1 for s in sessions) and len(set.union(*sessions)) == 8
+    assert all(len(s) == 1 for s in sessions) and len(set.union(*sessions)) == 8, sessions
     for i, replies in enumerate(runs):
         reward(proxy, completion_id=replies[0].id, reward=0.25, final=False).raise_for_status()
         closed = reward(proxy, completion_id=replies[-1].id, reward=float(i), info={"agent": i})

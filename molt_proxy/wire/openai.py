@@ -56,8 +56,29 @@ def decode_chat_request(body: bytes) -> ChatCall:
         # n choices would be n diverging episodes behind one request, and the agent can
         # continue only one of them: sample N attempts as N sessions instead.
         raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
+    _refuse_constraints(request)
     metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     return ChatCall(request, data["messages"], data.get("tools"), metadata)
+
+
+def _refuse_constraints(request: ChatCompletionRequest) -> None:
+    """Constraints the proxy does not enforce yet (they need vLLM's structured outputs). A
+    request that relies on one must fail loudly, not run unconstrained."""
+    if request.tool_choice == "required" or isinstance(request.tool_choice, dict | pydantic.BaseModel):
+        raise BadRequest(
+            "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
+            param="tool_choice",
+        )
+    if request.response_format is not None and request.response_format.type != "text":
+        raise BadRequest(
+            f"response_format {request.response_format.type!r} is not supported yet; only 'text'",
+            param="response_format",
+        )
+    if request.parallel_tool_calls is False and request.tools:
+        raise BadRequest(
+            "parallel_tool_calls=false is not supported yet: the model may call several tools",
+            param="parallel_tool_calls",
+        )
 
 
 def _normalize_message(message: Any, index: int) -> dict[str, Any]:
@@ -91,6 +112,16 @@ def _text_part(part: Any, param: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise BadRequest(f"{param}: only text content parts are supported", param=param)
+
+
+def echoed_call_ids(call: ChatCall) -> frozenset[str]:
+    """The tool-call ids a request's history mentions (assistant calls and tool results)."""
+    ids = {m["tool_call_id"] for m in call.messages if isinstance(m.get("tool_call_id"), str)}
+    for message in call.messages:
+        for tool_call in message.get("tool_calls") or []:
+            if isinstance(tool_call, dict) and isinstance(tool_call.get("id"), str):
+                ids.add(tool_call["id"])
+    return frozenset(ids)
 
 
 def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
