@@ -79,7 +79,7 @@ class Proxy:
         self.settings = settings
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
-        self.upstream = Replicas(
+        self.replicas = Replicas(
             [Upstream(url, timeout_s=settings.upstream_timeout_s) for url in settings.upstreams],
             health_interval_s=settings.health_interval_s,
         )
@@ -90,22 +90,35 @@ class Proxy:
 
     async def start(self) -> None:
         await self.store.open()
-        await self.upstream.start()
+        await self.replicas.start(await self._loadable_weights())
         self.sessions = Sessions(self.store, self.tokenizer, self.settings.model)
         await self.sessions.recover()
         self.completions = Completions(
             self.sessions,
             self.tokenizer,
             ReplyParser(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
-            self.upstream,
+            self.replicas,
             verify_prompt_ids=self.settings.verify_prompt_ids,
         )
+
+    async def _loadable_weights(self) -> tuple[str, int] | None:
+        """The last weights loaded, if their folder is still whole (the trainer prunes old ones,
+        and a replica must not be held back waiting for weights that are gone)."""
+        weights = await self.store.last_weights()
+        if weights is None:
+            return None
+        try:
+            check_weights_dir(weights[0])
+        except BadRequest:
+            log.warning("the last weights loaded (%s, version %d) are gone; not reloading them", *weights)
+            return None
+        return weights
 
     async def close_session(
         self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus
     ) -> list[Trajectory]:
         trajectories = await self.sessions.close(session_id, reward, info, status)
-        self.upstream.release(session_id)
+        self.replicas.release(session_id)
         async with self.finalized:
             self.finalized.notify_all()
         return trajectories
@@ -126,7 +139,7 @@ class Proxy:
                     log.exception("closing idle session %s failed", session_id)
 
     async def stop(self) -> None:
-        await self.upstream.stop()
+        await self.replicas.stop()
         await self.store.close()
 
     def authorize(self, request: Request, session: Session | None = None) -> None:
@@ -191,7 +204,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": await proxy.upstream.models()}
+        return {"object": "list", "data": await proxy.replicas.models()}
 
     @app.post("/v1/sessions", status_code=201)
     async def create_session(request: Request) -> dict[str, Any]:
@@ -288,14 +301,15 @@ def create_app(settings: Settings) -> FastAPI:
         check_weights_dir(weights_dir)
         started = time.monotonic()
         async with proxy.refresh_lock:
-            loaded = await proxy.upstream.refresh_weights(weights_dir, version)
+            loaded = await proxy.replicas.refresh_weights(weights_dir, version)
+            await proxy.store.save_weights(weights_dir, version)
         return {"version": version, "seconds": time.monotonic() - started, "replicas": loaded}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """200 while the proxy runs (it still answers sessions, rewards and trajectories);
         `status` says whether vLLM replicas can take requests: ok, degraded (some) or down."""
-        replicas = proxy.upstream.describe()
+        replicas = proxy.replicas.describe()
         up = sum(r["healthy"] for r in replicas)
         status = "ok" if up == len(replicas) else "degraded" if up else "down"
         return {"status": status, "replicas": replicas}

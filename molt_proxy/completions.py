@@ -53,14 +53,14 @@ class Completions:
         sessions: Sessions,
         tokenizer: Tokenizer,
         parser: ReplyParser,
-        upstream: Replicas,
+        replicas: Replicas,
         *,
         verify_prompt_ids: bool,
     ):
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.parser = parser
-        self.upstream = upstream
+        self.replicas = replicas
         self.verify_prompt_ids = verify_prompt_ids
 
     async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
@@ -74,7 +74,7 @@ class Completions:
                 return session.last_reply  # a retry of the request just answered
             plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
             model_id, sampling = await self._sampling(call, plan)
-            generation = await self.upstream.generate(
+            generation = await self.replicas.generate(
                 session.id, plan.ids, sampling, return_prompt_ids=self.verify_prompt_ids
             )
             if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
@@ -131,7 +131,7 @@ class Completions:
             reply_stream = self.parser.stream(call.request, plan.ids)
             generation: Generation | None = None
             started = False
-            async for item in self.upstream.stream(session.id, plan.ids, sampling):
+            async for item in self.replicas.stream(session.id, plan.ids, sampling):
                 if not started:
                     started = True
                     yield event({"role": "assistant", "content": ""})
@@ -165,7 +165,7 @@ class Completions:
             session.lock.release()
 
     async def _sampling(self, call: ChatCall, plan: PromptPlan) -> tuple[str, dict[str, Any]]:
-        model = await self.upstream.model()
+        model = await self.replicas.model()
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
         return model.id, sampling_fields(call.request, max_tokens)
 

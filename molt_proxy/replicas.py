@@ -87,9 +87,14 @@ class Replicas:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, weights: tuple[str, int] | None = None) -> None:
         """Open the clients and probe every replica once, so routing starts from the truth;
-        replicas that are not up yet are brought in by the health check when they are."""
+        replicas that are not up yet are brought in by the health check when they are.
+
+        `weights` are the last ones loaded before a proxy restart: every replica is given them
+        before traffic, since any of them may have restarted meanwhile with its boot weights.
+        """
+        self._weights = weights
         for replica in self._replicas:
             await replica.upstream.__aenter__()
         await self.check_health()

@@ -53,6 +53,11 @@ CREATE TABLE IF NOT EXISTS turns (
     reward REAL
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
+CREATE TABLE IF NOT EXISTS weights (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    path TEXT NOT NULL,
+    version INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS trajectories (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     trajectory_id TEXT NOT NULL UNIQUE,
@@ -240,6 +245,25 @@ class Store:
         await self._run(
             self.db.execute, "UPDATE turns SET reward = ? WHERE completion_id = ?", (reward, completion_id)
         )
+
+    # -- weights ---------------------------------------------------------------------------
+
+    async def save_weights(self, path: str, version: int) -> None:
+        """The weights the replicas serve: a replica that (re)starts later gets them first,
+        even across a proxy restart."""
+        await self._run(
+            self.db.execute,
+            "INSERT INTO weights (id, path, version) VALUES (0, ?, ?)"
+            " ON CONFLICT(id) DO UPDATE SET path = excluded.path, version = excluded.version",
+            (path, version),
+        )
+
+    async def last_weights(self) -> tuple[str, int] | None:
+        def query() -> tuple[str, int] | None:
+            row = self.db.execute("SELECT path, version FROM weights WHERE id = 0").fetchone()
+            return (row[0], row[1]) if row else None
+
+        return await self._run(query)
 
     # -- finalization ----------------------------------------------------------------------
 

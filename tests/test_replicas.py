@@ -23,6 +23,7 @@ from openai import OpenAI
 from molt_proxy.errors import BadRequest, UpstreamUnavailable
 from molt_proxy.launcher import VLLMServer
 from molt_proxy.replicas import Replicas
+from molt_proxy.store import Store
 from molt_proxy.tinymodel import weather_episode
 from molt_proxy.types import Generation
 from tests.conftest import MAX_MODEL_LEN
@@ -111,6 +112,24 @@ def test_sessions_stick_and_new_ones_go_to_the_least_loaded():
             replicas.release(session)
         assert await _on(replicas, fakes, "s5") == 0
         assert [r["sessions"] for r in replicas.describe()] == [1, 1]
+        await replicas.stop()
+
+    asyncio.run(scenario())
+
+
+def test_weights_stored_before_a_proxy_restart_are_loaded_before_traffic(tmp_path):
+    async def scenario() -> None:
+        store = Store(tmp_path / "s.db")
+        await store.open()
+        await store.save_weights("/w/v2", 2)
+        await store.save_weights("/w/v3", 3)
+        weights = await store.last_weights()
+        await store.close()
+        assert weights == ("/w/v3", 3)
+        replicas, fakes = _fakes()
+        await replicas.start(weights)
+        assert [f.loaded for f in fakes] == [[("/w/v3", 3)]] * 2
+        assert [r["weight_version"] for r in replicas.describe()] == [3, 3]
         await replicas.stop()
 
     asyncio.run(scenario())
