@@ -62,8 +62,10 @@ def decode_chat_request(body: bytes) -> ChatCall:
 
 
 def _refuse_constraints(request: ChatCompletionRequest) -> None:
-    """Constraints the proxy does not enforce yet (they need vLLM's structured outputs). A
-    request that relies on one must fail loudly, not run unconstrained."""
+    """Constraints the proxy does not enforce. vLLM could (structured outputs), but it samples
+    from a grammar-masked distribution the trainer's forward pass does not reproduce, so the
+    recorded logprobs would not be the policy's. A request that relies on one fails loudly
+    rather than running unconstrained."""
     if request.tool_choice == "required" or isinstance(request.tool_choice, dict | pydantic.BaseModel):
         raise BadRequest(
             "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
