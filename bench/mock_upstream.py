@@ -1,0 +1,157 @@
+"""An instant stand-in for vLLM, so that a proxy benchmark measures only the proxy.
+
+It answers the routes the front-ends call, with bodies shaped like vLLM 0.32's:
+`POST /inference/v1/generate` (molt-proxy: `choices[0].token_ids`, `logprobs.content[i]`,
+`weight_versions` spans, `finish_reason`; with `stream: true`, one SSE chunk per id),
+`POST /v1/chat/completions` (the pass-through and LiteLLM; streamed one word per chunk),
+`GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
+once; aiohttp's server keeps the per-request cost to well under a millisecond.
+
+    python -m bench.mock_upstream --port 8101 --reply-text "..." --reply-ids 1,2,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+
+def build_app(model: str, reply_text: str, reply_ids: list[int], max_model_len: int) -> web.Application:
+    logprobs = {
+        "content": [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in reply_ids]
+    }
+    choice = {
+        "index": 0,
+        "token_ids": reply_ids,
+        "logprobs": logprobs,
+        "weight_versions": [{"version": "default", "start": 0, "end": len(reply_ids)}],
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+    models = json.dumps(
+        {
+            "object": "list",
+            "data": [{"id": model, "object": "model", "owned_by": "vllm", "max_model_len": max_model_len}],
+        }
+    )
+
+    async def sse(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def token_chunks() -> list[dict]:
+        """vLLM's streamed shape: one chunk per sampled id; the finish reason and the
+        weight-version spans come on the last one."""
+        chunks = []
+        for n, (token_id, entry) in enumerate(zip(reply_ids, logprobs["content"], strict=True)):
+            last = n == len(reply_ids) - 1
+            piece = {"index": 0, "token_ids": [token_id], "logprobs": {"content": [entry]}}
+            piece["finish_reason"] = "stop" if last else None
+            if last:
+                piece["weight_versions"] = choice["weight_versions"]
+            chunks.append({"request_id": "r", "output_mode": "tokens", "choices": [piece]})
+        return chunks
+
+    streamed_tokens = token_chunks()
+    words = reply_text.split(" ")
+    streamed_chat = [
+        {
+            "id": "chatcmpl-mock",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "delta": {"content": w + " "}, "finish_reason": None}],
+        }
+        for w in words
+    ] + [
+        {
+            "id": "chatcmpl-mock",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        }
+    ]
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("stream"):
+            return await sse(request, streamed_tokens)
+        prompt = body["token_ids"]
+        reply = {
+            "request_id": uuid.uuid4().hex,
+            "model": model,
+            "created": int(time.time()),
+            "output_mode": "tokens",
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(reply_ids),
+                "total_tokens": len(prompt) + len(reply_ids),
+            },
+            "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+        }
+        return web.json_response(reply)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("stream"):
+            return await sse(request, streamed_chat)
+        reply = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", model),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply_text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": len(reply_ids),
+                "total_tokens": 1 + len(reply_ids),
+            },
+        }
+        return web.json_response(reply)
+
+    async def list_models(_: web.Request) -> web.Response:
+        return web.Response(text=models, content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--reply-text", required=True)
+    parser.add_argument("--reply-ids", required=True, help="comma-separated token ids of the reply")
+    parser.add_argument("--max-model-len", type=int, default=40960)
+    args = parser.parse_args()
+    ids = [int(i) for i in args.reply_ids.split(",")]
+    app = build_app(args.model, args.reply_text, ids, args.max_model_len)
+    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, backlog=4096)
+
+
+if __name__ == "__main__":
+    main()
