@@ -188,6 +188,10 @@ def create_app(settings: Settings) -> FastAPI:
             yield first
             async for event in events:
                 yield event
+                # Reading ids vLLM already sent and writing to the client need not suspend, so
+                # without this a fast vLLM keeps the loop from ever seeing that the client
+                # left (Starlette learns it in a task of its own) and the turn runs to its end.
+                await asyncio.sleep(0)
 
         return StreamingResponse(all_events(), media_type="text/event-stream")
 
