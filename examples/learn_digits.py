@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -40,8 +41,10 @@ class Agents:
     """`n` agent threads, each running episodes until told to stop; episodes are numbered so
     that consecutive `group_size` of them share a group (and a prompt)."""
 
-    def __init__(self, proxy_url: str, n: int, group_size: int):
+    def __init__(self, proxy_url: str, n: int, group_size: int, trained: Callable[[], bool]):
         self.proxy_url, self.group_size = proxy_url, group_size
+        self.trained = trained
+        """True once the last step is done: the server then winds down under the agents."""
         self.counter = itertools.count()
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -81,7 +84,7 @@ class Agents:
                 with self.lock:
                     self.episodes += 1
             except Exception as exc:  # an agent-visible error: counted and reported, never hidden
-                if not self.stop.is_set():
+                if not self.stop.is_set() and not self.trained():
                     self.errors.append(repr(exc))
 
 
@@ -110,12 +113,13 @@ def main() -> None:
     ]  # fmt: skip
     print("starting vLLM, molt-proxy and the Ray trainer ...", flush=True)
     server = subprocess.Popen(command, start_new_session=True)
-    agents = Agents(url, args.agents, args.group_size)
+    metrics = out / "train" / "metrics.jsonl"
+    agents = Agents(url, args.agents, args.group_size, lambda: len(read(metrics)) >= args.steps)
     try:
         wait_healthy(url, server, 600, what="molt-proxy")
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
-        while server.poll() is None and len(read(out / "train" / "metrics.jsonl")) < args.steps:
+        while server.poll() is None and len(read(metrics)) < args.steps:
             time.sleep(0.2)
         agents.join()
         server.wait()
@@ -124,7 +128,7 @@ def main() -> None:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
-    records = read(out / "train" / "metrics.jsonl")
+    records = read(metrics)
     quarter = max(1, len(records) // 4)
     first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
     last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
