@@ -117,6 +117,7 @@ def main() -> None:
     agents = Agents(url, args.agents, args.group_size, lambda: len(read(metrics)) >= args.steps)
     try:
         wait_healthy(url, server, 600, what="molt-proxy")
+        wait_for_trainer(url, server)
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
         while server.poll() is None and len(read(metrics)) < args.steps:
@@ -136,6 +137,19 @@ def main() -> None:
     print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
     print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
+
+
+def wait_for_trainer(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until the trainer has pushed its weights (version 0) into vLLM. Episodes sampled before
+    it starts would pile up at version 0 and arrive more than `--max-staleness` versions old:
+    steps spent on them would teach nothing."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        replicas = httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+        if all(r["weight_version"] is not None for r in replicas):
+            return
+        time.sleep(0.5)
+    raise TimeoutError("the trainer did not load its weights into vLLM in time")
 
 
 def sparkline(values: list[float]) -> str:
