@@ -1,0 +1,106 @@
+"""The real proxy app in this process, for tests of what needs no real sampling: validation,
+error bodies, auth, races, storage, fuzzing.
+
+Everything is real except vLLM: the FastAPI app served by uvicorn on a loopback port, the real
+Qwen3 tokenizer and chat template, real SQLite. vLLM is replaced by the instant stand-in of
+`bench/mock_upstream.py` (same routes and body shapes as vLLM 0.32), because these tests send
+thousands of requests and check what the proxy does with them, not what a model samples.
+Tests of sampling, exactness and streaming from real ids run against a real vLLM
+(`tests/conftest.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import uvicorn
+from aiohttp import web
+
+from bench.mock_upstream import build_app as build_mock_vllm
+from molt_proxy.app import create_app
+from molt_proxy.config import Settings
+from molt_proxy.launcher import free_port
+from molt_proxy.tinymodel import tokenizer_source
+from molt_proxy.tokenizer import Tokenizer
+
+REPLY_TEXT = "Hello there."
+MOCK_MAX_MODEL_LEN = 4096
+
+
+def qwen3_tokenizer_dir() -> Path:
+    folder = tokenizer_source("qwen3")
+    if folder is None:
+        import pytest
+
+        pytest.skip("the real qwen3 tokenizer is not in ../shared/tokenizers")
+    return folder
+
+
+@contextmanager
+def mock_vllm(model_dir: Path, max_model_len: int = MOCK_MAX_MODEL_LEN) -> Iterator[str]:
+    """The stand-in vLLM on a free port, in a thread of its own; yields its base URL. It
+    always samples `REPLY_TEXT` followed by `<|im_end|>`."""
+    tokenizer = Tokenizer.load(str(model_dir))
+    reply_ids = tokenizer.encode(REPLY_TEXT) + [tokenizer.hf.convert_tokens_to_ids("<|im_end|>")]
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_mock_vllm("tiny", REPLY_TEXT, reply_ids, max_model_len), access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, name="mock-vllm", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@contextmanager
+def serve_app(settings: Settings) -> Iterator[str]:
+    """`create_app(settings)` served by uvicorn in a thread; yields its base URL."""
+    port = free_port()
+    settings = replace(settings, host="127.0.0.1", port=port)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="molt-proxy", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process proxy failed to start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def inprocess_proxy(db_path: Path, **settings: object) -> Iterator[str]:
+    """A proxy (real app, real tokenizer, real SQLite at `db_path`) in front of the stand-in
+    vLLM; yields the proxy's base URL. `settings` override `Settings` fields."""
+    model = qwen3_tokenizer_dir()
+    with mock_vllm(model) as upstream:
+        base = Settings(model=str(model), upstreams=[upstream], db_path=db_path)
+        with serve_app(replace(base, **settings)) as url:
+            yield url
+
+
+def chat_body(content: str = "hi", **fields: object) -> dict[str, object]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def post(url: str, path: str, **kwargs: object) -> httpx.Response:
+    return httpx.post(url + path, timeout=60, **kwargs)
