@@ -32,6 +32,8 @@ BENCHMARKS = {
     "trainer": "bench.trainer_step",
     "refresh": "bench.refresh",
     "e2e": "bench.end_to_end",
+    "storage": "bench.storage",
+    "stall": "bench.stall",
 }
 RESULTS = HOME / "bench" / "RESULTS.md"
 HEADER = """# molt-proxy benchmarks

@@ -57,10 +57,11 @@ async def _sessions(tokenizer: Tokenizer, n: int, turns: int) -> dict[str, float
     gc.collect()
     open_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
+    turn_bytes, _ = _payload_bytes(db)  # closing a session drops its turn rows
     for i in range(n):
         await sessions.close(f"s{i}", 1.0, {}, SessionStatus.REWARDED)
     await store.close()
-    turn_bytes, trajectory_bytes = _payload_bytes(db)
+    _, trajectory_bytes = _payload_bytes(db)
     return {
         "per_session": open_bytes / n,
         "per_token": open_bytes / tokens,
@@ -71,8 +72,8 @@ async def _sessions(tokenizer: Tokenizer, n: int, turns: int) -> dict[str, float
 
 
 def _payload_bytes(path: os.PathLike) -> tuple[int, int]:
-    """Bytes the store keeps per turn row (packed arrays, reply JSON) and per trajectory row
-    (JSON), as SQLite reports their lengths: payload, without page overhead."""
+    """Bytes the store keeps in turn rows (packed arrays, reply JSON) and trajectory rows
+    (compressed JSON), as SQLite reports their lengths: payload, without page overhead."""
     db = sqlite3.connect(str(path))
     try:
         turns = db.execute(
@@ -145,13 +146,13 @@ def run(quick: bool = False) -> Section:
                     ratio(m["per_token"], PACKED_BYTES_PER_TOKEN),
                 ],
                 [
-                    "turn rows in SQLite, per session (payload)",
+                    "turn rows in SQLite, per open session (payload)",
                     f"{m['disk_turns_per_session']:,.0f}",
                     f"{packed:,.0f}",
                     ratio(m["disk_turns_per_session"], packed),
                 ],
                 [
-                    "one finalized trajectory in SQLite (JSON payload)",
+                    "one finalized trajectory in SQLite (compressed JSON payload)",
                     f"{m['disk_per_trajectory']:,.0f}",
                     f"{packed:,.0f}",
                     ratio(m["disk_per_trajectory"], packed),

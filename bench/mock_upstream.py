@@ -7,6 +7,11 @@ It answers the routes the front-ends call, with bodies shaped like vLLM 0.32's:
 `GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
 once; aiohttp's server keeps the per-request cost to well under a millisecond.
 
+The weight-refresh routes (`/pause`, `/collective_rpc`, `/update_weight_version`, `/resume`)
+only record that they were called, in order, as `(path, body)` in the list `calls` passed to
+`build_app` (and at `GET /_calls`); `/update_weight_version` also relabels what is sampled
+next, as vLLM does. `GET /_generated` lists the body of every generate request, in order.
+
     python -m bench.mock_upstream --port 8101 --reply-text "..." --reply-ids 1,2,3
 """
 
@@ -16,11 +21,20 @@ import argparse
 import json
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
 
-def build_app(model: str, reply_text: str, reply_ids: list[int], max_model_len: int) -> web.Application:
+def build_app(
+    model: str,
+    reply_text: str,
+    reply_ids: list[int],
+    max_model_len: int,
+    calls: list[tuple[str, Any]] | None = None,
+) -> web.Application:
+    calls = [] if calls is None else calls
+    generated: list[dict] = []
     logprobs = {
         "content": [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in reply_ids]
     }
@@ -84,6 +98,7 @@ def build_app(model: str, reply_text: str, reply_ids: list[int], max_model_len: 
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        generated.append(body)
         if body.get("stream"):
             return await sse(request, streamed_tokens)
         prompt = body["token_ids"]
@@ -132,11 +147,28 @@ def build_app(model: str, reply_text: str, reply_ids: list[int], max_model_len: 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
 
-    app = web.Application()
+    async def admin(request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        calls.append((request.path_qs, body))
+        if request.path == "/update_weight_version":
+            choice["weight_versions"][0]["version"] = body["new_version"]
+        return web.json_response({})
+
+    async def list_calls(_: web.Request) -> web.Response:
+        return web.json_response(calls)
+
+    async def list_generated(_: web.Request) -> web.Response:
+        return web.json_response(generated)
+
+    app = web.Application(client_max_size=2**30)  # vLLM takes prompts of any size; aiohttp's default is 1 MiB
     app.router.add_post("/inference/v1/generate", generate)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    for path in ("/pause", "/collective_rpc", "/update_weight_version", "/resume"):
+        app.router.add_post(path, admin)
+    app.router.add_get("/_calls", list_calls)
+    app.router.add_get("/_generated", list_generated)
     return app
 
 

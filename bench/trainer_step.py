@@ -1,9 +1,10 @@
 """Benchmark 4: the trainer's step throughput against a plain PyTorch loop, and where a
 step's time goes.
 
-Same model, same batch, same optimizer (AdamW), interleaved step by step: `Policy.train_step`
-(the trainer's forward, float32 log-softmax and gather, the policy loss with importance
-weights and clipping, backward, grad clipping, step) against the floor, a plain
+Same model, same batch, same optimizer (AdamW), interleaved step by step: the trainer's step
+`Policy.ppo_step` (forward, float32 log-softmax and gather, the policy loss with importance
+weights and clipping, backward, grad clipping, step) with the default one epoch and with
+`--ppo-epochs 2` (pi_old by a no-grad forward, then two updates), against the floor, a plain
 `model(ids).logits` → masked cross-entropy → backward → clip → AdamW loop. Then the rest of
 the trainer's step, timed with the trainer's own functions: collating trajectories,
 checkpointing (model + optimizer + cursor) and writing the weights vLLM reloads.
@@ -20,27 +21,40 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.common import OUT, Section, median, ratio, table, tiny_model
+from molt_proxy.types import NOT_SAMPLED, Sampling, SessionStatus, Trajectory, Turn
 from trainer import checkpoint
 from trainer.batch import Batch, collate
 from trainer.loss import LossConfig
 from trainer.policy import Policy
 
 
-def trajectories(rows: int, length: int, vocab: int) -> list[dict[str, Any]]:
-    """Synthetic records in the proxy's schema: a prompt half and a sampled half."""
+def trajectories(rows: int, length: int, vocab: int) -> list[Trajectory]:
+    """Synthetic trajectories: a prompt half and a sampled half (one turn at T = 1)."""
     generator = torch.Generator().manual_seed(0)
     out = []
     for row in range(rows):
         ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
-        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        prompt = length // 2
+        mask = [0] * prompt + [1] * (length - prompt)
         out.append(
-            {
-                "trajectory_id": f"t{row}",
-                "token_ids": ids,
-                "loss_mask": mask,
-                "logprobs": [-2.0 * m for m in mask],
-                "weight_versions": [0 if m else -1 for m in mask],
-            }
+            Trajectory(
+                seq=row + 1,
+                trajectory_id=f"t{row}:0",
+                session_id=f"t{row}",
+                segment=0,
+                num_segments=1,
+                group_id="g",
+                token_ids=ids,
+                loss_mask=mask,
+                logprobs=[-2.0 * m for m in mask],
+                weight_versions=[0 if m else NOT_SAMPLED for m in mask],
+                turns=[Turn(f"c{row}", 0, prompt, length, "length", sampling=Sampling())],
+                reward=1.0,
+                info={},
+                status=SessionStatus.REWARDED,
+                model="tiny",
+                created=0.0,
+            )
         )
     return out
 
@@ -65,6 +79,7 @@ class PlainLoop:
 def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
     model_dir = tiny_model(kind)
     policy = Policy(model_dir, lr=1e-5)
+    policy_ppo2 = Policy(model_dir, lr=1e-5)
     plain = PlainLoop(model_dir, lr=1e-5)
     vocab = policy.model.config.vocab_size
     records = trajectories(rows, length, vocab)
@@ -74,6 +89,7 @@ def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
     loss = LossConfig()
     times: dict[str, list[float]] = {
         "policy": [],
+        "policy_ppo2": [],
         "plain": [],
         "collate": [],
         "checkpoint": [],
@@ -81,13 +97,15 @@ def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
     }
     folder = OUT / "trainer-bench"
     shutil.rmtree(folder, ignore_errors=True)
-    policy.train_step([batch], 0, loss)  # warm-up: allocator, Adam state
-    plain.step(batch)
+    steps_of = {
+        "policy": lambda: policy.ppo_step([[batch]], 0, loss),
+        "policy_ppo2": lambda: policy_ppo2.ppo_step([[batch]], 0, loss, epochs=2),
+        "plain": lambda: plain.step(batch),
+    }
+    for fn in steps_of.values():  # warm-up: allocator, Adam state
+        fn()
     for step in range(steps):
-        for name, fn in (
-            ("policy", lambda: policy.train_step([batch], 0, loss)),
-            ("plain", lambda: plain.step(batch)),
-        ):
+        for name, fn in steps_of.items():
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
@@ -112,7 +130,8 @@ def run(quick: bool = False) -> Section:
         "4. Trainer step throughput vs a plain PyTorch loop",
         "python -m bench trainer",
         "a plain PyTorch loop (forward → masked cross-entropy → backward → clip → AdamW) on the "
-        "same model, batch and optimizer, alternating step by step with `Policy.train_step`.",
+        "same model, batch and optimizer, alternating step by step with the trainer's step "
+        "(`Policy.ppo_step`, default and `--ppo-epochs 2`).",
     )
     configs = (
         [("digits", 16, 256), ("qwen3", 4, 128)] if not quick else [("digits", 8, 128), ("qwen3", 2, 128)]
@@ -125,8 +144,10 @@ def run(quick: bool = False) -> Section:
             [
                 name,
                 f"{m['tokens'] / m['policy']:,.0f}",
+                f"{m['tokens'] / m['policy_ppo2']:,.0f}",
                 f"{m['tokens'] / m['plain']:,.0f}",
                 ratio(m["plain"], m["policy"]),
+                ratio(m["policy_ppo2"], m["policy"]),
             ]
         )
         step = m["collate"] + m["policy"] + m["checkpoint"] + m["weights"]
@@ -144,10 +165,22 @@ def run(quick: bool = False) -> Section:
         f"Median of {steps} steps each after one warm-up step, on CPU (float32, torch's default "
         "threads). Models: the tiny Qwen3 architecture (hidden 64, 2 layers) with the byte-level BPE "
         "of examples/learn_digits.py (`digits`) and with the real Qwen3 vocabulary (`qwen3`), where "
-        "the [B,T,V] logits dominate. Batches: synthetic trajectories, half prompt, half sampled."
+        "the [B,T,V] logits dominate. Batches: synthetic trajectories, half prompt, half sampled. "
+        "The trainer's step with `--ppo-epochs 2` runs a no-grad forward for pi_old and two updates "
+        "(forward, backward, AdamW each) where the default runs one update."
     )
     section.body.append(
-        table(["model, batch", "trainer tokens/s", "plain loop tokens/s", "trainer / plain speed"], rows)
+        table(
+            [
+                "model, batch",
+                "trainer tokens/s",
+                "trainer `--ppo-epochs 2` tokens/s",
+                "plain loop tokens/s",
+                "trainer / plain speed",
+                "`--ppo-epochs 2` / default step time",
+            ],
+            rows,
+        )
     )
     section.body.append(
         "Where the rest of a trainer step goes, with the trainer's own functions (the vLLM reload "

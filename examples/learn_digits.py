@@ -114,13 +114,16 @@ def main() -> None:
     print("starting vLLM, molt-proxy and the Ray trainer ...", flush=True)
     server = subprocess.Popen(command, start_new_session=True)
     metrics = out / "train" / "metrics.jsonl"
-    agents = Agents(url, args.agents, args.group_size, lambda: len(read(metrics)) >= args.steps)
+    # The trainer is done once it drew its reward curve: every step taken or skipped (a solved
+    # batch, all rewards equal, is skipped and writes no metrics line).
+    curve = out / "train" / "reward_curve.png"
+    agents = Agents(url, args.agents, args.group_size, curve.exists)
     try:
         wait_healthy(url, server, 600, what="molt-proxy")
         wait_for_trainer(url, server)
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
-        while server.poll() is None and len(read(metrics)) < args.steps:
+        while server.poll() is None and not curve.exists():
             time.sleep(0.2)
         agents.join()
         server.wait()

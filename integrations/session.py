@@ -101,7 +101,8 @@ def create_session(
     timeout_s: float = 60.0,
 ) -> MoltSession:
     """`POST /v1/sessions`. `group_id` groups attempts at one task for GRPO/RLOO baselines
-    (left out, the proxy groups by the first prompt); `admin_key` where the proxy has one."""
+    (left out, the proxy groups by the first prompt); `admin_key` where the proxy has keys: the
+    admin key or an agent key (which then owns the session)."""
     proxy_url = proxy_url.rstrip("/")
     request = _create_request(proxy_url, group_id, session_id, admin_key, timeout_s)
     return _session(proxy_url, httpx.post(**request), timeout_s)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -18,16 +16,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from molt_proxy.completions import Caller, Completions
+from molt_proxy import auth
+from molt_proxy.completions import OFF_LOOP_BYTES, Caller, Completions
 from molt_proxy.config import Settings
-from molt_proxy.errors import BadRequest, Conflict, MoltError, NotFound, PayloadTooLarge, Unauthorized
+from molt_proxy.errors import BadRequest, Conflict, MoltError, NotFound, PayloadTooLarge, UpstreamUnavailable
 from molt_proxy.parsing import ReplyParser
-from molt_proxy.replicas import Replicas
-from molt_proxy.sessions import Session, Sessions
+from molt_proxy.replicas import Replicas, Supervision
+from molt_proxy.sessions import Sessions, unknown_session
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import SessionStatus, Trajectory
 from molt_proxy.upstream import Upstream
+from molt_proxy.weights import check_version, check_weights_dir
+from molt_proxy.wire.control import CHAT_SCHEMA, SESSION_SCHEMA, WEIGHTS_SCHEMA, RewardBody, request_body
+from molt_proxy.wire.jsonbody import INT64_MAX, decode_json_object
 from molt_proxy.wire.openai import decode_chat_request
 
 log = logging.getLogger(__name__)
@@ -67,21 +69,19 @@ async def _send_error(send: Send, error: MoltError) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
-    return value[7:].strip() if value.lower().startswith("bearer ") else None
-
-
 class Proxy:
     """Everything a handler needs, built once at startup."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, supervisors: Mapping[str, Supervision] | None = None):
         self.settings = settings
+        self.keys = auth.Keys(settings.admin_key, settings.agent_keys)
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
         self.replicas = Replicas(
             [Upstream(url, timeout_s=settings.upstream_timeout_s) for url in settings.upstreams],
             health_interval_s=settings.health_interval_s,
+            health_timeout_s=settings.health_timeout_s,
+            supervisors=supervisors,  # the vLLM servers `serve` launched: the watcher relaunches them
         )
         self.finalized = asyncio.Condition()
         self.refresh_lock = asyncio.Lock()
@@ -99,6 +99,7 @@ class Proxy:
             ReplyParser(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
             self.replicas,
             verify_prompt_ids=self.settings.verify_prompt_ids,
+            sampling_pins=self.settings.sampling,
         )
 
     async def _loadable_weights(self) -> tuple[str, int] | None:
@@ -142,18 +143,20 @@ class Proxy:
         await self.replicas.stop()
         await self.store.close()
 
-    def authorize(self, request: Request, session: Session | None = None) -> None:
-        """Admin routes: the admin key, or a session's own key for that session."""
-        if self.settings.admin_key is None:
-            return
-        key = _bearer(request)
-        if key == self.settings.admin_key or (session is not None and key and key == session.api_key):
-            return
-        raise Unauthorized("this route needs the admin key (or the session's own key)")
+    def principal(self, request: Request, allowed: frozenset[auth.Role]) -> auth.Principal:
+        """Who the caller's key says it is, if it may use a route of kind `allowed`; the first
+        thing a guarded handler does."""
+
+        def session_of(key_hash: str) -> str | None:
+            session = self.sessions.by_key_id(key_hash)
+            return session.id if session is not None else None
+
+        return self.keys.principal(request.headers, allowed, session_of)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    proxy = Proxy(settings)
+def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None = None) -> FastAPI:
+    """`supervisors`: by URL, for the vLLM servers `serve` launched (`launcher.Supervisor`)."""
+    proxy = Proxy(settings, supervisors)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -171,14 +174,23 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
 
     async def chat(request: Request, path_session: str | None) -> dict[str, Any] | StreamingResponse:
+        principal = proxy.principal(request, auth.CHAT)
         body = await request.body()
-        call = decode_chat_request(body)
-        key = _bearer(request)
+        # A large body decodes in a worker thread, as it renders and tokenizes there (completions.py).
+        call = (
+            decode_chat_request(body)
+            if len(body) < OFF_LOOP_BYTES
+            else await asyncio.to_thread(decode_chat_request, body)
+        )
+        key = auth.presented_key(request.headers)
         session_id = path_session or request.headers.get("x-session-id")
-        if session_id is None and not (key and proxy.sessions.by_key(key)):
+        if session_id is None and not (principal is auth.OPEN and key and proxy.sessions.by_key(key)):
             session_id = _metadata_session(call.metadata)
+        session_id = auth.chat_session(principal, session_id)
         group_id = request.headers.get("x-group-id") or None
-        caller = Caller(session_id, key if session_id is None else None, group_id)
+        # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.
+        open_key = key if session_id is None and principal is auth.OPEN else None
+        caller = Caller(session_id, open_key, group_id, principal)
         if not call.request.stream:
             return await proxy.completions.complete(caller, call, body)
         events = proxy.completions.stream(caller, call, body)
@@ -195,11 +207,13 @@ def create_app(settings: Settings) -> FastAPI:
 
         return StreamingResponse(all_events(), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA))
     async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
         return await chat(request, None)
 
-    @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
+    @app.post(
+        "/s/{session_id}/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA)
+    )
     async def session_chat_completions(
         session_id: str, request: Request
     ) -> dict[str, Any] | StreamingResponse:
@@ -210,48 +224,42 @@ def create_app(settings: Settings) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": await proxy.replicas.models()}
 
-    @app.post("/v1/sessions", status_code=201)
+    @app.post("/v1/sessions", status_code=201, openapi_extra=request_body(SESSION_SCHEMA, required=False))
     async def create_session(request: Request) -> dict[str, Any]:
-        proxy.authorize(request)
+        principal = proxy.principal(request, auth.CREATE)
         body = await _json_object(request, allow_empty=True)
+        key = auth.new_session_key()
         session = await proxy.sessions.create(
-            _optional_str(body, "session_id"), _optional_str(body, "group_id"), with_key=True
+            _optional_str(body, "session_id"),
+            _optional_str(body, "group_id"),
+            key_hash=auth.key_id(key),
+            owner=principal.owner,
         )
         base = str(request.base_url).rstrip("/")
         return {
             "session_id": session.id,
             "group_id": session.group_id,
-            "api_key": session.api_key,
+            "api_key": key,  # shown once: the proxy keeps only its hash
             "base_url": f"{base}/s/{session.id}/v1",
         }
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-        session = proxy.sessions.get(session_id)
-        proxy.authorize(request, session)
-        return session.describe()
+        principal = proxy.principal(request, auth.CHAT)
+        return proxy.sessions.get(session_id, principal).describe()
 
-    @app.post("/v1/rewards")
+    @app.post("/v1/rewards", openapi_extra=request_body(RewardBody.model_json_schema()))
     async def post_reward(request: Request) -> dict[str, Any]:
         """`{session_id | completion_id, reward, final = true, info}`: a final reward closes the
         session; `final: false` with a `completion_id` rewards that one turn."""
-        body = await _json_object(request)
-        session_id = _optional_str(body, "session_id")
-        completion_id = _optional_str(body, "completion_id")
-        if (session_id is None) == (completion_id is None):
-            raise BadRequest("give exactly one of 'session_id' and 'completion_id'", param="session_id")
-        reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise BadRequest("'reward' must be a finite number", param="reward")
-        final = body.get("final", True)
-        if not isinstance(final, bool):
-            raise BadRequest("'final' must be a boolean", param="final")
-        info = body.get("info", {})
-        if not isinstance(info, dict):
-            raise BadRequest("'info' must be an object", param="info")
+        principal = proxy.principal(request, auth.CHAT)
+        body = RewardBody.decode(await request.body())
+        session_id, completion_id = body.session_id, body.completion_id
+        reward, final, info = body.reward, body.final, body.info
         if completion_id is not None:
-            session_id = await proxy.sessions.of_completion(completion_id)
-        proxy.authorize(request, proxy.sessions.find(session_id))
+            session_id = await proxy.sessions.of_completion(completion_id, principal)
+        elif not await proxy.sessions.visible(session_id, principal):
+            raise unknown_session(session_id)  # as for an id that does not exist: no probing
         if not final:
             if completion_id is None:
                 raise BadRequest("a per-turn reward ('final': false) needs a 'completion_id'", param="final")
@@ -267,10 +275,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/trajectories", response_model=None)
     async def trajectories(
         request: Request,
-        after: int = Query(0, ge=0),
+        after: int = Query(0, ge=0, le=INT64_MAX),
         limit: int = Query(100, ge=1, le=10_000),
     ) -> dict[str, Any] | StreamingResponse:
-        proxy.authorize(request)
+        proxy.principal(request, auth.ADMIN_ONLY)
         if "text/event-stream" in request.headers.get("accept", ""):
             return StreamingResponse(_stream(after, limit), media_type="text/event-stream")
         data = await proxy.store.trajectories_after(after, limit)
@@ -291,22 +299,22 @@ def create_app(settings: Settings) -> FastAPI:
                 except TimeoutError:
                     yield ": keepalive\n\n"
 
-    @app.post("/v1/admin/weights")
+    @app.post("/v1/admin/weights", openapi_extra=request_body(WEIGHTS_SCHEMA))
     async def refresh_weights(request: Request) -> dict[str, Any]:
         """Load the trainer's new weights into every replica and label them `version`."""
-        proxy.authorize(request)
+        proxy.principal(request, auth.ADMIN_ONLY)
         body = await _json_object(request)
         weights_dir = _optional_str(body, "path")
         version = body.get("version")
         if weights_dir is None:
             raise BadRequest("'path' is required", param="path")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise BadRequest("'version' must be a non-negative integer", param="version")
-        check_weights_dir(weights_dir)
+        # Everything is checked before any replica is paused (`weights.py` has the rules).
+        folder = await asyncio.to_thread(check_weights_dir, weights_dir)
         started = time.monotonic()
         async with proxy.refresh_lock:
-            loaded = await proxy.replicas.refresh_weights(weights_dir, version)
-            await proxy.store.save_weights(weights_dir, version)
+            version = check_version(version, folder, await proxy.store.last_weights())
+            loaded = await proxy.replicas.refresh_weights(folder, version)
+            await proxy.store.save_weights(folder, version)
         return {"version": version, "seconds": time.monotonic() - started, "replicas": loaded}
 
     @app.get("/health")
@@ -321,27 +329,8 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def check_weights_dir(path: str) -> None:
-    """A failed reload leaves a vLLM engine dead on its next request (DESIGN §5), so refuse
-    anything that is not a complete safetensors checkpoint before touching a replica."""
-    folder = Path(path)
-    if not folder.is_absolute():
-        raise BadRequest("'path' must be absolute: vLLM resolves it in its own directory", param="path")
-    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise BadRequest(f"{path} has no config.json and *.safetensors weights", param="path")
-
-
 async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:
-    body = await request.body()
-    if allow_empty and not body.strip():
-        return {}
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return data
+    return decode_json_object(await request.body(), allow_empty=allow_empty)
 
 
 def _metadata_session(metadata: dict[str, Any]) -> str | None:
@@ -360,8 +349,11 @@ def _optional_str(body: dict[str, Any], key: str) -> str | None:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MoltError)
-    async def molt_error(_: Request, exc: MoltError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def molt_error(request: Request, exc: MoltError) -> JSONResponse:
+        headers = None
+        if isinstance(exc, UpstreamUnavailable):  # no replica up: the next probe may bring one back
+            headers = {"Retry-After": str(int(request.app.state.proxy.settings.health_interval_s) + 1)}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -378,5 +370,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(MoltError(f"internal error: {exc!r}").body(), status_code=500)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the caller's fault: the details go to the log, never to the client (an
+        # exception's repr may quote a whole prompt).
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(MoltError("internal error").body(), status_code=500)

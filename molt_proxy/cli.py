@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,24 +22,33 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     from molt_proxy.app import create_app
+    from molt_proxy.auth import load_keys
     from molt_proxy.config import Settings
-    from molt_proxy.launcher import VLLMServer
+    from molt_proxy.launcher import Supervisor, VLLMServer
 
+    admin_key, agent_keys = load_keys(
+        args.admin_key, args.admin_key_file, args.agent_key or [], args.agent_keys_file, os.environ
+    )
+    args.admin_key = admin_key  # `--train`'s trainer reads it from `args`
     # Settings first: a bad flag fails now, not after minutes of starting vLLM.
     settings = Settings(
         model=args.model,
         upstreams=list(args.upstream or []),
         replicas=args.replicas,
         health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        max_restarts=args.max_restarts,
         host=args.host,
         port=args.port,
         db_path=Path(args.db),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
-        admin_key=args.admin_key,
+        admin_key=admin_key,
+        agent_keys=agent_keys,
         max_request_bytes=args.max_request_bytes,
         verify_prompt_ids=args.verify_prompt_ids,
         session_ttl_s=args.session_ttl,
+        sampling=args.sampling,
     )
     servers: list[VLLMServer] = []
     try:
@@ -60,7 +70,9 @@ def _serve(args: argparse.Namespace) -> int:
             for server in servers:  # they boot at the same time
                 server.wait()
             settings.upstreams = [server.url for server in servers]
-        app = create_app(settings)
+        # The app's health watcher relaunches a launched server that dies or hangs.
+        supervisors = {s.url: Supervisor(s, max_restarts=settings.max_restarts) for s in servers}
+        app = create_app(settings, supervisors)
         if not args.train:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
             return 0
@@ -110,6 +122,15 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_pins(spec: str) -> dict[str, float | int]:
+    from molt_proxy.sampling import parse_pins
+
+    try:
+        return parse_pins(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="molt-proxy", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -138,6 +159,21 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds between replica health probes",
     )
+    serve.add_argument(
+        "--health-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a replica whose /health does not answer within S seconds is taken out "
+        "(one that serve launched is killed and relaunched)",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="relaunch a vLLM that serve launched at most N times in 10 minutes; then it stays down",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--db", default="molt-proxy.db", help="SQLite store path")
@@ -150,7 +186,20 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--vllm-arg", action="append", metavar="ARG", help="extra argument for the vLLM it launches"
     )
-    serve.add_argument("--admin-key", help="require this bearer key on session, reward and trajectory routes")
+    serve.add_argument(
+        "--admin-key",
+        help="require keys on every route that writes or reads training data; this one may do"
+        " everything (visible in `ps`: prefer --admin-key-file or $MOLT_PROXY_ADMIN_KEY)",
+    )
+    serve.add_argument("--admin-key-file", type=Path, metavar="PATH", help="a file holding the admin key")
+    serve.add_argument(
+        "--agent-key",
+        action="append",
+        metavar="KEY",
+        help="a key that may create sessions and chat on and reward its own; repeatable"
+        " (also $MOLT_PROXY_AGENT_KEYS, comma-separated)",
+    )
+    serve.add_argument("--agent-keys-file", type=Path, metavar="PATH", help="agent keys, one a line")
     serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument(
         "--session-ttl",
@@ -158,6 +207,14 @@ def parser() -> argparse.ArgumentParser:
         default=3600.0,
         metavar="SECONDS",
         help="close a session with no turn for this long, unrewarded",
+    )
+    serve.add_argument(
+        "--sampling",
+        type=_sampling_pins,
+        default={},
+        metavar="NAME=VALUE,...",
+        help="pin sampling fields for every turn, whatever agents send (e.g. temperature=1,top_p=1): "
+        "on-policy samples for training; each turn's record lists the fields pinned",
     )
     serve.add_argument(
         "--verify-prompt-ids",

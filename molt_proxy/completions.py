@@ -11,19 +11,22 @@ never saw the whole reply, so it cannot be part of its history). A retry then sa
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from molt_proxy.auth import Principal
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
+from molt_proxy.sampling import effective_sampling
 from molt_proxy.sessions import Sessions, request_hash
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation
+from molt_proxy.types import Generation, Sampling, Segment
 from molt_proxy.wire.openai import (
     ChatCall,
     delta_fields,
@@ -37,14 +40,21 @@ from molt_proxy.wire.openai import (
     template_kwargs,
 )
 
+OFF_LOOP_BYTES = 64 * 1024
+"""Requests with a body this large or larger render and tokenize in a worker thread, so they
+do not stall every other client (15 MB took 13.8 s on the loop). Below it a thread hop costs
+more than the work. The tokenizer releases the GIL while it encodes."""
+
 
 @dataclass(slots=True, frozen=True)
 class Caller:
-    """Who sent a request: the session id and key it named, if any, and its group header."""
+    """Who sent a request: the session id and key it named, if any, its group header, and who
+    its key says it is (`auth.py`)."""
 
     session_id: str | None
     api_key: str | None
     group_id: str | None
+    principal: Principal
 
 
 class Completions:
@@ -56,24 +66,32 @@ class Completions:
         replicas: Replicas,
         *,
         verify_prompt_ids: bool,
+        sampling_pins: Mapping[str, float | int] | None = None,
     ):
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.parser = parser
         self.replicas = replicas
         self.verify_prompt_ids = verify_prompt_ids
+        self.sampling_pins = dict(sampling_pins or {})
+        """Sampling fields that override what agents send (`Settings.sampling`)."""
 
     async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
-        rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
+        rendered = await self._render(call, body)
         body_hash = request_hash(body)
         session = await self.sessions.acquire(
-            caller.session_id, caller.api_key, caller.group_id, rendered.encode(), echoed_call_ids(call)
+            caller.session_id,
+            caller.api_key,
+            caller.group_id,
+            rendered.encode(),
+            echoed_call_ids(call),
+            caller.principal,
         )
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
                 return session.last_reply  # a retry of the request just answered
-            plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
-            model_id, sampling = await self._sampling(call, plan)
+            plan = await self._plan(session.open_segment, rendered, body)
+            model_id, sampling, applied = await self._sampling(call, plan)
             generation = await self.replicas.generate(
                 session.id, plan.ids, sampling, return_prompt_ids=self.verify_prompt_ids
             )
@@ -91,7 +109,9 @@ class Completions:
                 completion_tokens=len(generation.token_ids),
                 session_id=session.id,
             )
-            await self.sessions.record(session, plan, generation, body_out["id"], body_hash, body_out)
+            await self.sessions.record(
+                session, plan, generation, body_out["id"], body_hash, body_out, sampling=applied
+            )
             return body_out
         finally:
             session.lock.release()
@@ -103,18 +123,23 @@ class Completions:
         length, an unreachable vLLM) fails before the first event, so the caller can send a
         plain error response: the first event goes out only once vLLM has sampled.
         """
-        rendered = self.tokenizer.render(call.messages, call.tools, template_kwargs(call.request))
+        rendered = await self._render(call, body)
         body_hash = request_hash(body)
         session = await self.sessions.acquire(
-            caller.session_id, caller.api_key, caller.group_id, rendered.encode(), echoed_call_ids(call)
+            caller.session_id,
+            caller.api_key,
+            caller.group_id,
+            rendered.encode(),
+            echoed_call_ids(call),
+            caller.principal,
         )
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
                 for event in _replay(session.last_reply, include_usage(call.request)):
                     yield event
                 return
-            plan = plan_prompt(session.open_segment, rendered, self.tokenizer)
-            model_id, sampling = await self._sampling(call, plan)
+            plan = await self._plan(session.open_segment, rendered, body)
+            model_id, sampling, applied = await self._sampling(call, plan)
             completion_id, created = _new_completion_id(), int(time.time())
 
             def event(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
@@ -156,7 +181,9 @@ class Completions:
                 completion_tokens=len(generation.token_ids),
                 session_id=session.id,
             )
-            await self.sessions.record(session, plan, generation, completion_id, body_hash, body_out)
+            await self.sessions.record(
+                session, plan, generation, completion_id, body_hash, body_out, sampling=applied
+            )
             yield event(delta_fields(last) if last is not None else {}, finish_reason)
             if include_usage(call.request):
                 yield event(None, usage=body_out["usage"])
@@ -164,10 +191,39 @@ class Completions:
         finally:
             session.lock.release()
 
-    async def _sampling(self, call: ChatCall, plan: PromptPlan) -> tuple[str, dict[str, Any]]:
+    async def _render(self, call: ChatCall, body: bytes) -> str:
+        """The prompt text. A large request renders in a worker thread, and one that cannot
+        fit the context whatever its tokens is refused there, before any tokenizing."""
+        args = (call.messages, call.tools, template_kwargs(call.request))
+        if len(body) < OFF_LOOP_BYTES:
+            return self.tokenizer.render(*args)
+        max_model_len = (await self.replicas.model()).max_model_len
+        return await asyncio.to_thread(self._render_fitting, *args, max_model_len=max_model_len)
+
+    def _render_fitting(self, *args: Any, max_model_len: int) -> str:
+        rendered = self.tokenizer.render(*args)
+        at_least = self.tokenizer.min_tokens(rendered)
+        if at_least >= max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_model_len} tokens, but the "
+                f"request has at least {at_least} prompt tokens",
+                param="messages",
+            )
+        return rendered
+
+    async def _plan(self, segment: Segment | None, rendered: str, body: bytes) -> PromptPlan:
+        """`plan_prompt`, in a worker thread for a large request. It runs under the session's
+        lock, which only this turn can change the segment under, so the thread reads it safely."""
+        if len(body) < OFF_LOOP_BYTES:
+            return plan_prompt(segment, rendered, self.tokenizer)
+        return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
+
+    async def _sampling(self, call: ChatCall, plan: PromptPlan) -> tuple[str, dict[str, Any], Sampling]:
+        """The model id, the sampling fields to send (pinned and normalised) and their record."""
         model = await self.replicas.model()
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
-        return model.id, sampling_fields(call.request, max_tokens)
+        fields, applied = effective_sampling(sampling_fields(call.request, max_tokens), self.sampling_pins)
+        return model.id, fields, applied
 
 
 def _new_completion_id() -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from molt_proxy.sampling import check_pins
+
 
 @dataclass(slots=True)
 class Settings:
@@ -17,20 +19,32 @@ class Settings:
     """How many vLLM servers `serve` launches when no upstream is given (`--replicas`)."""
     health_interval_s: float = 5.0
     """Seconds between health probes of the replicas (`--health-interval`)."""
+    health_timeout_s: float = 10.0
+    """A replica whose /health gives no answer within this many seconds is taken out; one that
+    `serve` launched is also killed and relaunched (`--health-timeout`)."""
+    max_restarts: int = 5
+    """Relaunches of a vLLM that `serve` launched allowed within 10 minutes; past them it stays
+    down (`--max-restarts`)."""
     host: str = "127.0.0.1"
     port: int = 8000
     db_path: Path = Path("molt-proxy.db")
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    admin_key: str | None = None
-    """When set, session, reward and trajectory routes need `Authorization: Bearer <key>`
-    (a session-scoped key may act on its own session)."""
+    admin_key: str | None = field(default=None, repr=False)
+    """When set, every route that writes or reads training data needs a key (`auth.py`);
+    unset, the proxy is open. Never in a repr, so never in a log."""
+    agent_keys: list[str] = field(default_factory=list, repr=False)
+    """Keys that may create sessions and chat on and reward their own (`--agent-key`)."""
     max_request_bytes: int = 16 * 1024 * 1024
     verify_prompt_ids: bool = False
     """Ask vLLM to echo the prompt ids and fail the turn if they differ from what was sent."""
     upstream_timeout_s: float = 600.0
     session_ttl_s: float = 3600.0
     """A session with no turn for this long is closed unrewarded."""
+    sampling: dict[str, float | int] = field(default_factory=dict)
+    """Sampling fields pinned for every turn, whatever agents send (`--sampling
+    temperature=1,top_p=1`; `molt_proxy.sampling.PINNABLE` lists the fields). Each turn's
+    record names the fields pinned. Empty: agents choose."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -40,8 +54,17 @@ class Settings:
             raise ValueError("give --upstream URLs or --replicas, not both")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be positive")
+        if self.health_timeout_s <= 0:
+            raise ValueError("health_timeout_s must be positive")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must not be negative")
         if self.session_ttl_s <= 0:
             raise ValueError("session_ttl_s must be positive")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
+        if self.admin_key == "" or "" in self.agent_keys:
+            raise ValueError("an API key must not be empty")
+        if self.agent_keys and self.admin_key is None:
+            raise ValueError("agent keys need an admin key: without one every route is open")
+        check_pins(self.sampling)
         self.db_path = Path(self.db_path)

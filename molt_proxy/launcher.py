@@ -3,19 +3,31 @@
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
 fails for the CPU distribution, DESIGN §9), in its own process group so that shutdown
 takes its engine workers with it.
+
+`Supervisor` keeps a launched server alive: told the result of every `/health` probe (by
+`replicas.Replicas`, which decides routing and knows nothing of processes), it reaps a server
+that exited, kills one that stopped answering, and relaunches it on the same port (so the
+replica's URL stays) with bounded restarts and exponential back-off.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -48,6 +60,22 @@ def on_cpu() -> bool:
         return True
 
 
+CPU_SEED_WORKAROUND = ["--no-enable-chunked-prefill"]
+"""On CPU, vLLM 0.32 kills its engine when a request with `seed` is prefilled in chunks
+(a prompt with more new, uncached tokens than `--max-num-batched-tokens`, 2,048 by default,
+or one that shares a step's token budget with other requests):
+
+    vllm/v1/worker/gpu_model_runner.py:4477 sample_tokens -> self._bookkeeping_sync(...)
+    vllm/v1/worker/gpu_model_runner.py:3502 _bookkeeping_sync
+        gen.set_offset(gen.get_offset() - 4)
+    RuntimeError: CPU Generator does not use offset
+
+(it rewinds the seeded generator after sampling a token it throws away for a partial
+prefill; a CPU `torch.Generator` has no offset). Without chunked prefill, vLLM sets
+`--max-num-batched-tokens` to at least `--max-model-len` and schedules every prefill whole,
+so no sample is discarded and `seed` keeps its promise. A later `--vllm-arg` overrides it."""
+
+
 def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: list[str]) -> list[str]:
     """The server flags the proxy relies on: the token-in/token-out route, processed logprobs
     (for correct importance ratios) and the dev routes used for weight refresh."""
@@ -62,7 +90,7 @@ def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: lis
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     if on_cpu():
-        command += ["--dtype", "float32", "--enforce-eager"]
+        command += ["--dtype", "float32", "--enforce-eager", *CPU_SEED_WORKAROUND]
     return command + extra
 
 
@@ -92,9 +120,13 @@ class VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        try:
+            self.process = subprocess.Popen(
+                self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # the child has its own copy; a relaunch must not leak one per restart
         return self
 
     def wait(self, timeout_s: float = 300.0) -> VLLMServer:
@@ -107,19 +139,167 @@ class VLLMServer:
             raise
         return self
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process has exited (and is reaped: no `<defunct>` left)."""
+        return None if self.process is None else self.process.poll()
+
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group id is its pid
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group and reap the server. Also after the server itself
+        exited: its engine workers may outlive it, holding gigabytes, or a stopped (SIGSTOP)
+        server would never act on a gentler signal."""
+        if self.process is None:
+            return
         try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole group is gone already
+        self.process.wait()
 
     def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ProcessState(StrEnum):
+    BOOTING = "booting"
+    """Launched, not healthy yet."""
+    RUNNING = "running"
+    """Has answered /health since it was launched."""
+    BACKING_OFF = "backing_off"
+    """Dead and reaped; waits out its back-off before the relaunch."""
+    GAVE_UP = "gave_up"
+    """Restarted too often: stays down until the proxy restarts."""
+
+
+class Supervisor:
+    """Keeps one launched `VLLMServer` alive; `observe` is told every health probe's result.
+
+    A server that exited is reaped; one that answered /health before and now does not (hung,
+    e.g. SIGSTOP, or a dead engine behind a live API server) is SIGKILLed with its group, and
+    so is one that is not healthy `boot_timeout_s` after its launch. Then it is relaunched on
+    its port after a back-off of `backoff_s`, doubled for each restart in the last `window_s`,
+    at most `max_backoff_s`. After `max_restarts` restarts within `window_s` it stays down and
+    says so (log and `describe`): a server that keeps dying needs a person, not a loop that
+    burns the machine. The back-off is checked at each probe, so it is rounded up to the
+    probe interval.
+
+    Killing and relaunching is all it does: the probe that next passes brings the replica back
+    through `Replicas`, which gives it the current weights before any traffic.
+    """
+
+    def __init__(
+        self,
+        server: VLLMServer,
+        *,
+        max_restarts: int = 5,
+        window_s: float = 600.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        boot_timeout_s: float = 300.0,
+    ):
+        self.server = server
+        self.restarts = 0
+        """Relaunches so far (for `/health`)."""
+        self._max_restarts, self._window_s = max_restarts, window_s
+        self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
+        self._boot_timeout_s = boot_timeout_s
+        self._recent: deque[float] = deque()
+        """When the restarts within the last `window_s` happened (monotonic seconds)."""
+        self._state = ProcessState.BOOTING
+        self._since = time.monotonic()
+        self._relaunch_at = 0.0
+        self._exit_code: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def state(self) -> ProcessState:
+        return self._state
+
+    def describe(self) -> dict[str, Any]:
+        process = self.server.process
+        return {
+            "state": self._state.value,
+            "pid": process.pid if process is not None and process.returncode is None else None,
+            "restarts": self.restarts,
+            "last_exit_code": self._exit_code,
+        }
+
+    async def observe(self, healthy: bool) -> None:
+        """Act on one health probe of this server; never raises (the watcher calls it)."""
+        now = time.monotonic()
+        if self._state is ProcessState.GAVE_UP:
+            return
+        if self._state is ProcessState.BACKING_OFF:
+            if now >= self._relaunch_at:
+                self._relaunch(now)
+            return
+        if healthy:
+            if self._state is ProcessState.BOOTING:
+                if self.restarts:
+                    log.info("relaunched vLLM at %s is healthy after %.0f s", self.url, now - self._since)
+                self._enter(ProcessState.RUNNING, now)
+            return
+        code = self.server.returncode
+        if code is not None:
+            why = f"exited with code {code}"
+        elif self._state is ProcessState.RUNNING:
+            why = "stopped answering /health"
+        elif now - self._since > self._boot_timeout_s:
+            why = f"was not healthy {self._boot_timeout_s:.0f} s after its launch"
+        else:
+            return  # still booting
+        try:
+            await asyncio.to_thread(self.server.kill)
+        except OSError as exc:
+            log.error("could not kill vLLM at %s: %r", self.url, exc)
+        self._exit_code = self.server.returncode
+        self._failed(why, now)
+
+    def _failed(self, why: str, now: float) -> None:
+        while self._recent and now - self._recent[0] > self._window_s:
+            self._recent.popleft()
+        where = f"vLLM at {self.url} (log: {self.server.log_path})"
+        if len(self._recent) >= self._max_restarts:
+            log.error(
+                "%s %s; it was restarted %d times in the last %.0f s, so it stays down",
+                where, why, len(self._recent), self._window_s,
+            )  # fmt: skip
+            self._enter(ProcessState.GAVE_UP, now)
+            return
+        delay = min(self._backoff_s * 2 ** len(self._recent), self._max_backoff_s)
+        log.warning(
+            "%s %s; relaunching it in %.1f s (restart %d; at most %d per %.0f s)",
+            where, why, delay, self.restarts + 1, self._max_restarts, self._window_s,
+        )  # fmt: skip
+        self._relaunch_at = now + delay
+        self._enter(ProcessState.BACKING_OFF, now)
+
+    def _relaunch(self, now: float) -> None:
+        self._recent.append(now)
+        self.restarts += 1
+        try:
+            self.server.spawn()
+        except OSError as exc:
+            self._failed(f"could not be relaunched: {exc!r}", now)
+            return
+        self._enter(ProcessState.BOOTING, now)
+
+    def _enter(self, state: ProcessState, now: float) -> None:
+        self._state, self._since = state, now

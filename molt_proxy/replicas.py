@@ -14,6 +14,12 @@
   noticed without waiting for a request. A replica that comes back is first given the last
   weights the trainer loaded (a restarted vLLM boots with its original weights, labelled
   version 0), so it never serves stale weights under a wrong label.
+- A probe that gets no answer within the health timeout takes the replica out (a hung vLLM
+  accepts connections and never answers). The probe result also goes to the replica's
+  `Supervision`, if the proxy launched it (`launcher.Supervisor`): that one kills and
+  relaunches the process, which also fails the requests in flight on a hung server, so they
+  fail over. A request in flight on a hung server the proxy did not launch waits for the
+  upstream timeout.
 
 `upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where.
 """
@@ -22,16 +28,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from molt_proxy.errors import MoltError, UpstreamUnavailable
 from molt_proxy.types import Generation
 from molt_proxy.upstream import ModelInfo, Upstream
 
 log = logging.getLogger(__name__)
+
+
+class Supervision(Protocol):
+    """The keeper of a replica's process, for replicas the proxy launched (`launcher.Supervisor`)."""
+
+    async def observe(self, healthy: bool) -> None:
+        """Told every health probe's result: reap, kill or relaunch the process as needed."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Its state for `/health` (`state`, `pid`, `restarts`, ...)."""
+        ...
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +66,8 @@ class Replica:
     """Requests it answered (for `/health`)."""
     weight_version: int | None = None
     """The version this proxy last loaded into it; None: the weights it booted with."""
+    supervisor: Supervision | None = None
+    """Set when the proxy launched this vLLM and relaunches it when it dies."""
 
     @property
     def url(self) -> str:
@@ -61,6 +81,7 @@ class Replica:
             "sessions": self.sessions,
             "requests": self.requests,
             "weight_version": self.weight_version,
+            "process": self.supervisor.describe() if self.supervisor else None,
         }
 
 
@@ -73,10 +94,13 @@ class Replicas:
         *,
         health_interval_s: float = 5.0,
         health_timeout_s: float = 10.0,
+        supervisors: Mapping[str, Supervision] | None = None,
     ):
+        """`supervisors`: by base URL, for the upstreams the proxy launched itself."""
         if not upstreams:
             raise ValueError("at least one upstream vLLM is needed")
-        self._replicas = [Replica(upstream) for upstream in upstreams]
+        supervisors = supervisors or {}
+        self._replicas = [Replica(u, supervisor=supervisors.get(u.base_url)) for u in upstreams]
         self._affinity: dict[str, Replica] = {}
         self._weights: tuple[str, int] | None = None
         """The last weights loaded (dir, version): what a returning replica is given first."""
@@ -267,14 +291,17 @@ class Replicas:
     async def _check(self, replica: Replica) -> None:
         try:
             ok = await asyncio.wait_for(replica.upstream.healthy(), self._health_timeout_s)
+        except TimeoutError:  # hung: it accepts connections and never answers
+            ok, why = False, f"no answer to /health within {self._health_timeout_s:g} s"
         except Exception as exc:  # a probe that cannot finish is a failed probe
             ok, why = False, exc
         else:
             why = "/health failed"
         if not ok:
-            self._mark_down(replica, why)
-            return
-        if replica.healthy:
+            self._mark_down(replica, why)  # first: no request goes there while it is killed
+        if replica.supervisor is not None:
+            await replica.supervisor.observe(ok)
+        if not ok or replica.healthy:
             return
         # Back (or up for the first time): give it the current weights before any traffic.
         async with self._weights_lock:

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import secrets
 import time
 import uuid
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt_proxy.errors import Conflict, NotFound, Unauthorized
+from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
+from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
 from molt_proxy.stitching import PromptPlan, TokenText, commit_turn
 from molt_proxy.store import Store, StoredSession, StoredTurn
-from molt_proxy.types import Generation, Segment, SessionStatus, Trajectory
-
-SESSION_KEY_PREFIX = "mp-sess-"
+from molt_proxy.types import Generation, Sampling, Segment, SessionStatus, Trajectory
 
 
 @dataclass(slots=True)
@@ -37,7 +35,10 @@ class Session:
     group_id: str | None
     """Given at creation; otherwise derived from the first prompt when the session closes."""
     created: float
-    api_key: str | None = None
+    api_key_hash: str | None = None
+    """SHA-256 of the session's own key (`auth.key_id`), if it was minted one."""
+    owner: str | None = None
+    """The id of the agent key that created it (`auth.Principal.owner`)."""
     inferred: bool = False
     last_active: float = 0.0
     call_ids: set[str] = field(default_factory=set)
@@ -83,6 +84,10 @@ def _reply_call_ids(reply: dict[str, Any]) -> set[str]:
     return {call["id"] for call in reply["choices"][0]["message"].get("tool_calls") or []}
 
 
+def unknown_session(session_id: str) -> NotFound:
+    return NotFound(f"no session {session_id!r}", param="session_id")
+
+
 def request_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
@@ -98,19 +103,32 @@ class Sessions:
         self._by_key: dict[str, str] = {}
         self._by_completion: dict[str, str] = {}
         """Completion id → open session id: rewards may name any reply the agent received."""
+        self._creating: dict[str, asyncio.Event] = {}
+        """Ids being created (set when done): a session is reserved before its first await."""
 
     async def recover(self) -> int:
         """Rebuild every open session from the store; returns how many."""
         for stored, turns in await self.store.open_sessions():
             session = Session(
-                stored.id, stored.group_id, stored.created, stored.api_key, stored.inferred, stored.created
+                stored.id,
+                stored.group_id,
+                stored.created,
+                api_key_hash=stored.api_key_hash,
+                owner=stored.owner,
+                inferred=stored.inferred,
+                last_active=stored.created,
             )
             for turn in turns:
                 if not session.segments or session.segments[-1].index != turn.segment:
                     session.segments.append(Segment(index=turn.segment))
                 plan = PromptPlan(ids=[], new_ids=turn.new_ids, continues=True)
                 replayed = commit_turn(
-                    session.segments[-1], plan, turn.generation, turn.completion_id, self.tokenizer
+                    session.segments[-1],
+                    plan,
+                    turn.generation,
+                    turn.completion_id,
+                    self.tokenizer,
+                    turn.sampling,
                 )
                 replayed.created, replayed.reward = turn.created, turn.reward
                 session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
@@ -121,8 +139,8 @@ class Sessions:
 
     def _register(self, session: Session) -> None:
         self._open[session.id] = session
-        if session.api_key:
-            self._by_key[session.api_key] = session.id
+        if session.api_key_hash:
+            self._by_key[session.api_key_hash] = session.id
         for segment in session.segments:
             for turn in segment.turns:
                 self._by_completion[turn.completion_id] = session.id
@@ -132,24 +150,48 @@ class Sessions:
         session_id: str | None = None,
         group_id: str | None = None,
         *,
-        with_key: bool = False,
+        key_hash: str | None = None,
+        owner: str | None = None,
         inferred: bool = False,
     ) -> Session:
         session_id = session_id or uuid.uuid4().hex
-        if session_id in self._open or await self.store.session_status(session_id) is not None:
+        # Check and reserve the id before the first await (one event loop: nothing runs in
+        # between), or two requests naming one new id both pass the check and both insert.
+        if session_id in self._open or session_id in self._creating:
             raise Conflict(f"session {session_id!r} already exists", param="session_id")
+        self._creating[session_id] = created = asyncio.Event()
+        try:
+            return await self._create(session_id, group_id, key_hash, owner, inferred)
+        finally:
+            del self._creating[session_id]
+            created.set()
+
+    async def _create(
+        self, session_id: str, group_id: str | None, key_hash: str | None, owner: str | None, inferred: bool
+    ) -> Session:
+        status = await self.store.session_status(session_id)
+        if status is not None:
+            closed = "" if status is SessionStatus.OPEN else " and is closed"
+            raise Conflict(f"session {session_id!r} already exists{closed}", param="session_id")
         now = time.time()
         session = Session(
             id=session_id,
             group_id=group_id,
             created=now,
-            api_key=SESSION_KEY_PREFIX + secrets.token_urlsafe(24) if with_key else None,
+            api_key_hash=key_hash,
+            owner=owner,
             inferred=inferred,
             last_active=now,
         )
         await self.store.create_session(
             StoredSession(
-                session.id, session.group_id, session.api_key, inferred, SessionStatus.OPEN, session.created
+                session.id,
+                session.group_id,
+                key_hash,
+                owner,
+                inferred,
+                SessionStatus.OPEN,
+                session.created,
             )
         )
         self._register(session)
@@ -162,26 +204,27 @@ class Sessions:
         group_id: str | None,
         rendered: bytes,
         call_ids: frozenset[str],
+        principal: Principal = OPEN,
     ) -> Session:
         """The session a chat request belongs to, locked for the turn: by id (path, header or
         metadata; created on first use), by a session-scoped key, or inferred from `rendered`
-        and the tool-call ids its messages echo. The caller releases `session.lock`."""
+        and the tool-call ids its messages echo, among the sessions of the same owner. The
+        caller releases `session.lock`. A session `principal` may not use is refused."""
         if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
-            session_id = self._by_key.get(api_key)
+            session_id = self._by_key.get(key_id(api_key))
             if session_id is None:
                 raise Unauthorized("unknown or closed session key")
         if session_id is None:
-            session = await self._continued(rendered, call_ids)
+            session = await self._continued(rendered, call_ids, principal.owner)
             if session is None:
-                session = await self.create(group_id=group_id, inferred=True)
+                session = await self.create(group_id=group_id, owner=principal.owner, inferred=True)
                 await session.lock.acquire()
         else:
-            session = self._open.get(session_id)
-            if session is None:
-                if await self.store.session_status(session_id) is not None:
-                    raise Conflict(f"session {session_id!r} is closed", param="session_id")
-                session = await self.create(session_id, group_id)
+            session = await self._open_or_create(session_id, group_id, principal.owner)
             await session.lock.acquire()
+        if not may_use(principal, session.id, session.owner):
+            session.lock.release()  # checked under the lock: a racing creator may own it
+            raise Forbidden(f"session {session.id!r} belongs to another key", param="session_id")
         if session.closed or (group_id is not None and group_id != session.group_id):
             session.lock.release()
             if session.closed:
@@ -192,17 +235,33 @@ class Sessions:
             )
         return session
 
-    async def _continued(self, rendered: bytes, call_ids: frozenset[str]) -> Session | None:
+    async def _open_or_create(self, session_id: str, group_id: str | None, owner: str | None) -> Session:
+        """The open session `session_id`, created if it is new. Concurrent first requests that
+        name one new id all get the one session: the first creates it, the others wait for that
+        and look again (if it failed, for a reason such as a closed session, they fail alike)."""
+        while (session := self._open.get(session_id)) is None:
+            creating = self._creating.get(session_id)
+            if creating is None:
+                return await self.create(session_id, group_id, owner=owner)
+            await creating.wait()
+        return session
+
+    async def _continued(
+        self, rendered: bytes, call_ids: frozenset[str], owner: str | None
+    ) -> Session | None:
         """The inferred session whose open segment `rendered` continues (the longest), locked;
         None if none does. Among equal candidates the one whose tool calls the request echoes
         wins, then an idle one; if the best are all busy, wait for one to finish its turn and
-        look again, since that turn changes its history."""
+        look again, since that turn changes its history. Only `owner`'s sessions are candidates:
+        one agent key's conversation never joins another's."""
         while True:
             candidates: list[Session] = []
             longest = 0
             for session in self._open.values():
                 segment = session.open_segment
-                if not session.inferred or segment is None or len(segment.text) < longest:
+                if not session.inferred or session.owner != owner:
+                    continue
+                if segment is None or len(segment.text) < longest:
                     continue
                 if segment.turns and rendered.startswith(segment.text):
                     if len(segment.text) > longest:
@@ -222,24 +281,39 @@ class Sessions:
     def find(self, session_id: str) -> Session | None:
         return self._open.get(session_id)
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, principal: Principal = OPEN) -> Session:
+        """An open session `principal` may see; any other id answers alike (no probing)."""
         session = self._open.get(session_id)
-        if session is None:
+        if session is None or not may_use(principal, session.id, session.owner):
             raise NotFound(f"no open session {session_id!r}", param="session_id")
         return session
 
     def by_key(self, api_key: str) -> Session | None:
-        session_id = self._by_key.get(api_key)
+        return self.by_key_id(key_id(api_key))
+
+    def by_key_id(self, api_key_hash: str) -> Session | None:
+        session_id = self._by_key.get(api_key_hash)
         return self._open.get(session_id) if session_id else None
 
-    async def of_completion(self, completion_id: str) -> str:
-        """The id of the session a reply belongs to (open or closed)."""
+    async def owner(self, session_id: str) -> str | None:
+        """The agent key id that created a session, open or closed (None: none, or no session)."""
+        session = self._open.get(session_id)
+        return session.owner if session is not None else await self.store.session_owner(session_id)
+
+    async def of_completion(self, completion_id: str, principal: Principal = OPEN) -> str:
+        """The id of the session a reply belongs to (open or closed), if `principal` may see
+        it; an unknown and a hidden completion answer alike (no probing)."""
         session_id = self._by_completion.get(completion_id) or await self.store.session_of_completion(
             completion_id
         )
-        if session_id is None:
+        if session_id is None or not await self.visible(session_id, principal):
             raise NotFound(f"no completion {completion_id!r}", param="completion_id")
         return session_id
+
+    async def visible(self, session_id: str, principal: Principal) -> bool:
+        """Whether `principal` may see the session, open or closed (False if there is none
+        and a key is needed: an unknown id and a hidden one must look the same)."""
+        return may_use(principal, session_id, await self.owner(session_id))
 
     async def reward_turn(self, completion_id: str, reward: float) -> str:
         """Attach a per-turn reward to one completion of an open session; returns the session id."""
@@ -267,8 +341,11 @@ class Sessions:
         completion_id: str,
         request_hash: str,
         reply: dict[str, Any],
+        *,
+        sampling: Sampling | None = None,
     ) -> None:
-        """Persist a turn, then commit it to the session in memory.
+        """Persist a turn, then commit it to the session in memory. `sampling`: what vLLM
+        sampled it with, recorded on the turn for the trainer.
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
@@ -278,10 +355,18 @@ class Sessions:
         else:
             segment = Segment(index=open_segment.index + 1 if open_segment else 0)
         stored = StoredTurn(
-            completion_id, segment.index, plan.new_ids, generation, time.time(), request_hash, reply
+            completion_id,
+            segment.index,
+            plan.new_ids,
+            generation,
+            time.time(),
+            request_hash,
+            reply,
+            sampling=sampling,
         )
         await self.store.record_turn(session.id, stored)
-        commit_turn(segment, plan, generation, completion_id, self.tokenizer).created = stored.created
+        turn = commit_turn(segment, plan, generation, completion_id, self.tokenizer, sampling)
+        turn.created = stored.created
         if segment is not open_segment:
             session.segments.append(segment)
         session.last_request_hash, session.last_reply = request_hash, reply
@@ -297,7 +382,7 @@ class Sessions:
         if session is None:
             known = await self.store.session_status(session_id)
             if known is None:
-                raise NotFound(f"no session {session_id!r}", param="session_id")
+                raise unknown_session(session_id)
             raise Conflict(f"session {session_id!r} is already closed", param="session_id")
         async with session.lock:
             if session.closed:
@@ -310,6 +395,7 @@ class Sessions:
                     trajectory_id=f"{session.id}:{segment.index}",
                     session_id=session.id,
                     segment=segment.index,
+                    num_segments=len(session.segments),
                     group_id=group_id,
                     token_ids=segment.token_ids,
                     loss_mask=segment.loss_mask,
@@ -327,8 +413,8 @@ class Sessions:
             stored = await self.store.close_session(session.id, status, reward, info, now, trajectories)
             session.closed = True
             del self._open[session.id]
-            if session.api_key:
-                self._by_key.pop(session.api_key, None)
+            if session.api_key_hash:
+                self._by_key.pop(session.api_key_hash, None)
             for segment in session.segments:
                 for turn in segment.turns:
                     self._by_completion.pop(turn.completion_id, None)

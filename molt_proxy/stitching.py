@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from molt_proxy.types import NOT_SAMPLED, Generation, Segment, Turn
+from molt_proxy.types import NOT_SAMPLED, Generation, Sampling, Segment, Turn
 
 
 class TokenText(Protocol):
@@ -58,10 +58,12 @@ def commit_turn(
     generation: Generation,
     completion_id: str,
     tokenizer: TokenText,
+    sampling: Sampling | None = None,
 ) -> Turn:
     """Append the request's new prompt ids (mask 0) and the sampled ids (mask 1) to `segment`.
 
-    `segment` is the open segment when `plan.continues`, else a fresh empty one.
+    `segment` is the open segment when `plan.continues`, else a fresh empty one. `sampling`
+    is what vLLM sampled the ids with, kept on the turn.
     """
     prompt_start = len(segment.token_ids)
     segment.token_ids += plan.new_ids
@@ -81,6 +83,7 @@ def commit_turn(
         completion_end=len(segment.token_ids),
         finish_reason=generation.finish_reason,
         created=time.time(),
+        sampling=sampling,
     )
     segment.turns.append(turn)
     return turn

@@ -6,22 +6,32 @@ killed proxy loses nothing it acknowledged. A turn row holds only what the turn 
 the conversation; open sessions are rebuilt on restart by replaying their turns in order.
 Finalized trajectories get a dense, increasing `seq`: the trainer's cursor.
 
+Each token is kept once. Closing a session writes its trajectories and, in the same
+transaction, drops its turn rows (the trajectories hold every token of them), keeping only
+`completions` (completion id → session id) so that a reward naming a reply still finds its
+session. A trajectory's `data` is its JSON, compact and zlib-compressed (prompt tokens' mask,
+logprob and version are runs of one value): readers get the same JSON back, and rows written
+before, as plain JSON text, read as they are.
+
 All SQL runs on one dedicated thread with one connection; callers await it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import sqlite3
+import zlib
 from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from molt_proxy.types import Generation, SessionStatus, Trajectory
+from molt_proxy.types import Generation, Sampling, SessionStatus, Trajectory
 
 T = TypeVar("T")
 
@@ -29,7 +39,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     group_id TEXT,
-    api_key TEXT UNIQUE,
+    api_key_hash TEXT UNIQUE,
+    owner TEXT,
     inferred INTEGER NOT NULL,
     status TEXT NOT NULL,
     reward REAL,
@@ -50,9 +61,14 @@ CREATE TABLE IF NOT EXISTS turns (
     created REAL NOT NULL,
     request_hash TEXT NOT NULL,
     reply TEXT NOT NULL,
-    reward REAL
+    reward REAL,
+    sampling TEXT
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
+CREATE TABLE IF NOT EXISTS completions (
+    completion_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS weights (
     id INTEGER PRIMARY KEY CHECK (id = 0),
     path TEXT NOT NULL,
@@ -81,7 +97,10 @@ def _unpack(typecode: str, blob: bytes) -> list:
 class StoredSession:
     id: str
     group_id: str | None
-    api_key: str | None
+    api_key_hash: str | None
+    """SHA-256 of the session's key (`auth.key_id`): the key itself is never stored."""
+    owner: str | None
+    """The id of the agent key that created the session; None: the admin's or an open proxy's."""
     inferred: bool
     """Joined by continuation (no session id): only such sessions are candidates for it."""
     status: SessionStatus
@@ -98,6 +117,8 @@ class StoredTurn:
     request_hash: str
     reply: dict[str, Any]
     reward: float | None = None
+    sampling: Sampling | None = None
+    """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""
 
 
 def _turn(
@@ -112,6 +133,7 @@ def _turn(
     request_hash,
     reply,
     reward,
+    sampling,
 ):
     generation = Generation(
         token_ids=_unpack("i", sampled),
@@ -128,6 +150,7 @@ def _turn(
         request_hash,
         json.loads(reply),
         reward,
+        Sampling.from_json(json.loads(sampling)) if sampling else None,
     )
 
 
@@ -146,11 +169,14 @@ class Store:
     def _open(self) -> None:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _make_private(self.path)
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=ON")
+        _hash_plain_session_keys(db)
         db.executescript(_SCHEMA)
+        _add_turn_sampling(db)
         self._db = db
 
     async def close(self) -> None:
@@ -170,12 +196,13 @@ class Store:
     async def create_session(self, session: StoredSession) -> None:
         await self._run(
             self.db.execute,
-            "INSERT INTO sessions (id, group_id, api_key, inferred, status, created)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sessions (id, group_id, api_key_hash, owner, inferred, status, created)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 session.id,
                 session.group_id,
-                session.api_key,
+                session.api_key_hash,
+                session.owner,
                 session.inferred,
                 session.status.value,
                 session.created,
@@ -186,26 +213,39 @@ class Store:
         return await self._run(self._open_sessions)
 
     def _open_sessions(self) -> list[tuple[StoredSession, list[StoredTurn]]]:
-        rows = self.db.execute(
-            "SELECT id, group_id, api_key, inferred, status, created FROM sessions WHERE status = ?",
+        """Two queries however many sessions are open: the sessions, then all their turns."""
+        result: dict[str, tuple[StoredSession, list[StoredTurn]]] = {}
+        for sid, group_id, api_key_hash, owner, inferred, status, created in self.db.execute(
+            "SELECT id, group_id, api_key_hash, owner, inferred, status, created FROM sessions"
+            " WHERE status = ?",
             (SessionStatus.OPEN.value,),
-        ).fetchall()
-        result = []
-        for sid, group_id, api_key, inferred, status, created in rows:
-            rows = self.db.execute(
-                "SELECT completion_id, segment, new_ids, sampled_ids, logprobs, versions, finish_reason,"
-                " created, request_hash, reply, reward FROM turns WHERE session_id = ? ORDER BY position",
-                (sid,),
+        ):
+            stored = StoredSession(
+                sid, group_id, api_key_hash, owner, bool(inferred), SessionStatus(status), created
             )
-            turns = [_turn(*row) for row in rows]
-            stored = StoredSession(sid, group_id, api_key, bool(inferred), SessionStatus(status), created)
-            result.append((stored, turns))
-        return result
+            result[sid] = (stored, [])
+        for sid, *turn in self.db.execute(
+            "SELECT t.session_id, t.completion_id, t.segment, t.new_ids, t.sampled_ids, t.logprobs,"
+            " t.versions, t.finish_reason, t.created, t.request_hash, t.reply, t.reward, t.sampling"
+            " FROM turns t JOIN sessions s ON s.id = t.session_id WHERE s.status = ? ORDER BY t.position",
+            (SessionStatus.OPEN.value,),
+        ):
+            result[sid][1].append(_turn(*turn))
+        return list(result.values())
 
     async def session_status(self, session_id: str) -> SessionStatus | None:
         def query() -> SessionStatus | None:
             row = self.db.execute("SELECT status FROM sessions WHERE id = ?", (session_id,)).fetchone()
             return SessionStatus(row[0]) if row else None
+
+        return await self._run(query)
+
+    async def session_owner(self, session_id: str) -> str | None:
+        """The agent key id that created the session (None: no owner, or no such session)."""
+
+        def query() -> str | None:
+            row = self.db.execute("SELECT owner FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            return row[0] if row else None
 
         return await self._run(query)
 
@@ -216,7 +256,8 @@ class Store:
         await self._run(
             self.db.execute,
             "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-            " versions, finish_reason, created, request_hash, reply) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " versions, finish_reason, created, request_hash, reply, sampling)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.completion_id,
                 session_id,
@@ -229,13 +270,16 @@ class Store:
                 turn.created,
                 turn.request_hash,
                 json.dumps(turn.reply),
+                json.dumps(asdict(turn.sampling)) if turn.sampling else None,
             ),
         )
 
     async def session_of_completion(self, completion_id: str) -> str | None:
         def query() -> str | None:
             row = self.db.execute(
-                "SELECT session_id FROM turns WHERE completion_id = ?", (completion_id,)
+                "SELECT session_id FROM turns WHERE completion_id = ?"
+                " UNION ALL SELECT session_id FROM completions WHERE completion_id = ?",
+                (completion_id, completion_id),
             ).fetchone()
             return row[0] if row else None
 
@@ -276,7 +320,8 @@ class Store:
         closed: float,
         trajectories: list[Trajectory],
     ) -> list[Trajectory]:
-        """Mark the session closed and append its trajectories, atomically; returns them with
+        """Mark the session closed, append its trajectories and drop its turn rows (keeping
+        which session each completion id belongs to), atomically; returns the trajectories with
         their `seq` set."""
         return await self._run(self._close_session, session_id, status, reward, info, closed, trajectories)
 
@@ -296,8 +341,14 @@ class Store:
                 trajectory.seq = cursor.lastrowid
                 db.execute(
                     "UPDATE trajectories SET data = ? WHERE seq = ?",
-                    (json.dumps(trajectory.to_json()), trajectory.seq),
+                    (_encode_trajectory(trajectory.to_json()), trajectory.seq),
                 )
+            db.execute(
+                "INSERT INTO completions (completion_id, session_id)"
+                " SELECT completion_id, session_id FROM turns WHERE session_id = ?",
+                (session_id,),
+            )
+            db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -309,15 +360,64 @@ class Store:
             rows = self.db.execute(
                 "SELECT data FROM trajectories WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
             ).fetchall()
-            return [json.loads(row[0]) for row in rows]
+            return [_decode_trajectory(row[0]) for row in rows]
 
         return await self._run(query)
+
+
+def _encode_trajectory(data: dict[str, Any]) -> bytes:
+    return zlib.compress(json.dumps(data, separators=(",", ":")).encode())
+
+
+def _decode_trajectory(stored: bytes | str) -> dict[str, Any]:
+    """The JSON of a trajectory row: compressed (see the module doc), or plain text as written
+    by a proxy from before that."""
+    return json.loads(zlib.decompress(stored) if isinstance(stored, bytes) else stored)
+
+
+def _make_private(path: str) -> None:
+    """Create the database file 0600 before SQLite opens it (it holds training data and key
+    digests); SQLite gives its -wal and -shm files the database file's mode. A file left by an
+    older version, which created it 0644, is narrowed too."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    for file in (path, f"{path}-wal", f"{path}-shm"):
+        if os.path.exists(file):
+            os.chmod(file, 0o600)
+
+
+def _add_turn_sampling(db: sqlite3.Connection) -> None:
+    """A store from before turns recorded their sampling gets the column, NULL on its rows: the
+    trainer leaves the tokens of such turns out, as it cannot know their distribution."""
+    if "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]:
+        db.execute("ALTER TABLE turns ADD COLUMN sampling TEXT")
+
+
+def _hash_plain_session_keys(db: sqlite3.Connection) -> None:
+    """Migrate a store from before keys were hashed: `api_key` (plain) → `api_key_hash`, and
+    the `owner` column. The sessions keep working with the same keys."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
+    if "api_key" not in columns:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = db.execute("SELECT id, api_key FROM sessions WHERE api_key IS NOT NULL").fetchall()
+        db.execute("ALTER TABLE sessions RENAME COLUMN api_key TO api_key_hash")
+        db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT")
+        db.executemany(
+            "UPDATE sessions SET api_key_hash = ? WHERE id = ?",
+            [(hashlib.sha256(key.encode()).hexdigest(), sid) for sid, key in rows],
+        )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
     """All finalized trajectories of a store file, in order (for export; read-only)."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        return [json.loads(row[0]) for row in db.execute("SELECT data FROM trajectories ORDER BY seq")]
+        rows = db.execute("SELECT data FROM trajectories ORDER BY seq")
+        return [_decode_trajectory(row[0]) for row in rows]
     finally:
         db.close()

@@ -9,9 +9,12 @@ new ids, never a decode of the whole history.
 from __future__ import annotations
 
 import json
+import unicodedata
 from functools import cached_property
 from typing import Any
 
+from jinja2 import TemplateError
+from tokenizers.normalizers import NFC
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -111,12 +114,39 @@ class Tokenizer:
             )
         except BadRequest:
             raise
-        except Exception as exc:  # jinja raise_exception() and template type errors
-            raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except TemplateError as exc:  # the template's own raise_exception(), or a syntax error
+            message = f"the chat template rejected the messages: {exc}"[:300]
+            raise BadRequest(message, param="messages") from exc
+        except Exception as exc:  # type errors inside the template: their text may quote the prompt
+            raise BadRequest(
+                f"the chat template could not render the messages ({type(exc).__name__})", param="messages"
+            ) from exc
 
     def encode(self, text: str) -> list[int]:
         """Ids for rendered text; the template already wrote any special tokens."""
         return self.hf.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes any one id stands for (128 for Qwen3). A piece that is not byte-level
+        (sentencepiece's `▁x`, a byte fallback `<0x0A>`) stands for at most its own UTF-8."""
+        most = 0
+        for piece in self.hf.get_vocab():
+            byte_level = piece not in self._added and all(ch in self._byte_decoder for ch in piece)
+            most = max(most, len(piece) if byte_level else len(piece.encode()))  # 1 byte per char
+        return most
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, without tokenizing: each id covers at
+        most `max_token_bytes` bytes of the text the model reads. That text is `text` itself
+        unless a normalizer rewrites it; NFC (Qwen3's) leaves NFC text alone, any other
+        normalizer could shrink it, so then there is no bound (0)."""
+        normalizer = self.hf.backend_tokenizer.normalizer if self.hf.is_fast else None
+        if normalizer is not None and not (
+            isinstance(normalizer, NFC) and unicodedata.is_normalized("NFC", text)
+        ):
+            return 0
+        return -(-len(text.encode()) // self.max_token_bytes)
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._cache.get(token_id)

@@ -21,10 +21,50 @@ class SessionStatus(enum.StrEnum):
 
 
 @dataclass(slots=True)
+class Sampling:
+    """The sampling parameters vLLM applied to one turn: what the agent asked for, with the
+    proxy's explicit defaults, its `--sampling` pins and vLLM's own normalisation filled in
+    (a temperature below 0.01 runs at 0.01; greedy turns run with top_p 1, top_k 0, min_p 0).
+    The trainer recomputes each sampled token's logprob under the same processing."""
+
+    temperature: float = 1.0
+    """Logits are divided by it; 0 is greedy (argmax), whose logprob vLLM reports at T = 1."""
+    top_p: float = 1.0
+    """Nucleus truncation; 1 is off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 is off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 is off."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    """Token id → bias added to its logit before everything else."""
+    seed: int | None = None
+    """Picks the sample, not the distribution: it does not change any logprob."""
+    min_tokens: int = 0
+    """Stop tokens are suppressed until the turn has this many tokens."""
+    pinned: list[str] = field(default_factory=list)
+    """The fields the proxy's `--sampling` set, whatever the agent sent."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Sampling:
+        """The inverse of `asdict` through JSON, which turns `logit_bias`'s keys into strings
+        (and through Parquet, which gives every record every key seen, null where absent)."""
+        fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        if fields.get("logit_bias") is not None:
+            bias = fields["logit_bias"].items()
+            fields["logit_bias"] = {int(k): float(v) for k, v in bias if v is not None}
+        return cls(**fields)
+
+
+@dataclass(slots=True)
 class Turn:
-    """One completion inside a segment; offsets index the segment's `token_ids`."""
+    """One completion inside a segment; offsets index the segment's `token_ids`, so the sampled
+    ids of the turn are `token_ids[completion_start:completion_end]`."""
 
     completion_id: str
+    """The `id` of the reply the agent received (`chatcmpl-...`); rewards may name it."""
     prompt_start: int
     """Index of the first token this request appended (its new prompt suffix)."""
     completion_start: int
@@ -32,9 +72,22 @@ class Turn:
     completion_end: int
     """One past the last sampled token."""
     finish_reason: str
+    """vLLM's reason the turn ended: `stop` (a stop token or string) or `length`."""
     created: float = 0.0
+    """When the turn was committed (Unix seconds)."""
     reward: float | None = None
     """A per-turn reward (`POST /v1/rewards` with this completion id and `final: false`)."""
+    sampling: Sampling | None = None
+    """What vLLM sampled this turn with; None in records from before it was recorded (the
+    trainer then cannot reproduce the turn's distribution and leaves its tokens out)."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Turn:
+        """A turn from `asdict`'s form; keys it does not know are ignored."""
+        turn = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        if isinstance(turn.sampling, dict):
+            turn.sampling = Sampling.from_json(turn.sampling)
+        return turn
 
 
 @dataclass(slots=True)
@@ -67,20 +120,40 @@ class Trajectory:
     """
 
     seq: int
+    """Position in the store's finalized stream (dense, increasing): the trainer's cursor. The
+    segments of one session are finalized in one transaction, so their seqs are consecutive."""
     trajectory_id: str
+    """`<session_id>:<segment>`."""
     session_id: str
+    """The episode; all its segments share its group and reward."""
     segment: int
+    """This segment's index in the session: 0, 1, ..., num_segments - 1."""
+    num_segments: int
+    """How many segments (trajectories) the session finalized with: a group baseline must see
+    the whole session, so the trainer waits for all of them."""
     group_id: str
+    """The group for GRPO/RLOO baselines (given at session creation, else a prompt hash)."""
     token_ids: list[int]
+    """[T] every id the model saw or sampled, in order."""
     loss_mask: list[int]
+    """[T] 1 where the policy sampled the token, 0 for prompt tokens."""
     logprobs: list[float]
+    """[T] rollout logprob of each sampled token (processed distribution); 0.0 where mask is 0."""
     weight_versions: list[int]
+    """[T] weight version that sampled each token (0: vLLM's boot weights); NOT_SAMPLED (-1)
+    where mask is 0."""
     turns: list[Turn]
+    """[turns] the completions of this segment, in order."""
     reward: float | None
+    """The session's final reward; None when it closed unrewarded (never trained on)."""
     info: dict[str, Any]
+    """The reward's `info`, as posted."""
     status: SessionStatus
+    """How the session closed: rewarded, or unrewarded (TTL or shutdown)."""
     model: str
+    """The served model."""
     created: float
+    """Finalization time (Unix seconds)."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -89,8 +162,11 @@ class Trajectory:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trajectory:
-        fields = dict(data)
-        fields["turns"] = [Turn(**t) for t in data["turns"]]
+        """The inverse of `to_json`. Keys it does not know (from a newer proxy) are ignored;
+        a record stored before `num_segments` existed reads 1 (each segment on its own)."""
+        fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        fields.setdefault("num_segments", 1)
+        fields["turns"] = [Turn.from_json(t) for t in data["turns"]]
         fields["status"] = SessionStatus(data["status"])
         return cls(**fields)
 

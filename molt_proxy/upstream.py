@@ -29,8 +29,14 @@ _INITIAL_VERSION = "default"
 
 
 def parse_versions(spans: list[dict[str, Any]] | None, n: int) -> list[int]:
-    """Expand vLLM's `[{version, start, end}]` spans into one int per sampled token."""
-    versions = [0] * n
+    """Expand vLLM's `[{version, start, end}]` spans into one int per sampled token.
+
+    Every sampled token must be covered. A token without a version is an `UpstreamError`,
+    not a guess: labelled 0 it would look stale (withheld, or trained as old policy), labelled
+    anything else it could look fresh. vLLM's generate route covers every token it samples, so
+    a gap means the upstream changed and the record cannot be trusted.
+    """
+    versions: list[int | None] = [None] * n
     for span in spans or []:
         label = span["version"]
         if label == _INITIAL_VERSION:
@@ -39,19 +45,32 @@ def parse_versions(spans: list[dict[str, Any]] | None, n: int) -> list[int]:
             version = int(label)
         else:
             raise UpstreamError(f"vLLM reported a non-integer weight version {label!r}")
+        if not 0 <= span["start"] <= span["end"] <= n:
+            raise UpstreamError(f"vLLM reported a weight-version span {span} outside {n} sampled tokens")
         versions[span["start"] : span["end"]] = [version] * (span["end"] - span["start"])
-    return versions
+    missing = [i for i, version in enumerate(versions) if version is None]
+    if missing:
+        raise UpstreamError(
+            f"vLLM reported no weight version for {len(missing)} of {n} sampled tokens (first: {missing[0]})"
+        )
+    return [version for version in versions if version is not None]
 
 
-def parse_generation(body: dict[str, Any]) -> Generation:
-    choice = body["choices"][0]
+def parse_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The sampled ids of one choice (or one streamed chunk of it) and their logprobs."""
     ids = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content") or []
     if len(content) != len(ids):
         raise UpstreamError("vLLM returned no logprob for some sampled tokens")
+    return list(ids), [entry["logprob"] for entry in content]
+
+
+def parse_generation(body: dict[str, Any]) -> Generation:
+    choice = body["choices"][0]
+    ids, logprobs = parse_tokens(choice)
     return Generation(
-        token_ids=list(ids),
-        logprobs=[entry["logprob"] for entry in content],
+        token_ids=ids,
+        logprobs=logprobs,
         weight_versions=parse_versions(choice.get("weight_versions"), len(ids)),
         finish_reason=choice.get("finish_reason") or "stop",
         prompt_token_ids=body.get("prompt_token_ids"),
@@ -135,13 +154,14 @@ class Upstream:
                     if "error" in chunk:
                         raise _status_error(chunk["error"].get("code") or 500, json.dumps(chunk))
                     for choice in chunk.get("choices") or []:
-                        delta = parse_generation({"choices": [choice]})
+                        # a chunk's ids only: the versions' spans come on the last chunk, for all
+                        delta_ids, delta_logprobs = parse_tokens(choice)
                         spans = choice.get("weight_versions") or spans
                         finish_reason = choice.get("finish_reason") or finish_reason
-                        if delta.token_ids:
-                            ids += delta.token_ids
-                            logprobs += delta.logprobs
-                            yield TokenDelta(delta.token_ids, delta.logprobs)
+                        if delta_ids:
+                            ids += delta_ids
+                            logprobs += delta_logprobs
+                            yield TokenDelta(delta_ids, delta_logprobs)
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
         if finish_reason is None:

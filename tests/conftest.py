@@ -55,7 +55,8 @@ def llama_vllm(llama_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 class ProxyProcess:
     """`molt-proxy serve --upstream ...` as a child process that a test may kill -9.
-    `upstream` is one vLLM URL or a list of them (replicas)."""
+    `upstream` is one vLLM URL or a list of them (replicas); an empty list: `serve` launches
+    vLLM itself (give `start` the minutes that takes)."""
 
     def __init__(self, model: Path, upstream: str | list[str], db: Path, args: list[str]):
         self.model, self.upstream, self.db, self.args = model, upstream, db, args
@@ -63,7 +64,7 @@ class ProxyProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> ProxyProcess:
+    def start(self, timeout_s: float = 120) -> ProxyProcess:
         urls = [self.upstream] if isinstance(self.upstream, str) else self.upstream
         command = [
             sys.executable, "-m", "molt_proxy", "serve", "--model", str(self.model),
@@ -72,7 +73,8 @@ class ProxyProcess:
         ]  # fmt: skip
         log = open(self.db.with_suffix(".log"), "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_healthy(self.url, self.process, 120, what=f"molt-proxy (log: {self.db.with_suffix('.log')})")
+        what = f"molt-proxy (log: {self.db.with_suffix('.log')})"
+        wait_healthy(self.url, self.process, timeout_s, what=what)
         return self
 
     def kill9(self) -> None:

@@ -355,9 +355,11 @@ def test_dead_replica_is_noticed_and_a_restarted_one_comes_back_with_the_current
         assert set(sampled) == {5}
         assert_exact(trajectory, qwen3_model)
     finally:
-        # The shared server serves other tests: put its label back to 0.
+        # The shared server serves other tests: put its label back to 0, through a proxy of
+        # its own (this one refuses a version that goes back).
+        fresh = start_proxy(qwen3_model, qwen3_vllm)
         httpx.post(
-            f"{proxy.url}/v1/admin/weights", json={"path": str(qwen3_model), "version": 0}, timeout=300
+            f"{fresh.url}/v1/admin/weights", json={"path": str(qwen3_model), "version": 0}, timeout=300
         )
 
 

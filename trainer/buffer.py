@@ -1,9 +1,11 @@
-"""Wait for complete groups before training on them.
+"""Wait for whole sessions and complete groups before training on them.
 
-Group baselines (GRPO, RLOO) compare the episodes of one task, so a group is released when it
-has `group_size` distinct sessions (all segments of a session travel together), or when its
-first episode has waited `timeout_s` (stragglers: the group trains with what it has). A
-trajectory without a reward (a session closed unrewarded) is never trained on.
+Group baselines (GRPO, RLOO) compare the episodes of one task, so a session counts only once
+every one of its segments has arrived (`Trajectory.num_segments`: the store finalizes a
+session's segments together, at consecutive seqs), and a group is released when it has
+`group_size` whole sessions, or when its first whole session has waited `timeout_s`
+(stragglers: the group trains with what it has). A trajectory without a reward (a session
+closed unrewarded) is never trained on.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from molt_proxy.types import Trajectory
 
 
 @dataclass(slots=True)
 class Group:
     group_id: str
-    trajectories: list[dict[str, Any]] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """Every segment of each of its sessions, a session's segments together and in order."""
     opened: float = 0.0
 
     @property
     def sessions(self) -> list[str]:
-        return list(dict.fromkeys(t["session_id"] for t in self.trajectories))
+        return list(dict.fromkeys(t.session_id for t in self.trajectories))
 
 
 class GroupBuffer:
@@ -32,18 +36,23 @@ class GroupBuffer:
         self.group_size = group_size
         self.timeout_s = timeout_s
         self.clock = clock
+        self._arriving: dict[str, list[Trajectory]] = {}
+        """Segments of sessions not yet whole, by session id."""
         self._groups: dict[str, Group] = {}
         self.skipped_unrewarded = 0
         self.timed_out = 0
 
-    def add(self, trajectory: dict[str, Any]) -> None:
-        if trajectory.get("reward") is None:
+    def add(self, trajectory: Trajectory) -> None:
+        if trajectory.reward is None:
             self.skipped_unrewarded += 1
             return
-        group = self._groups.setdefault(
-            trajectory["group_id"], Group(trajectory["group_id"], opened=self.clock())
-        )
-        group.trajectories.append(trajectory)
+        segments = self._arriving.setdefault(trajectory.session_id, [])
+        segments.append(trajectory)
+        if len(segments) < trajectory.num_segments:
+            return
+        del self._arriving[trajectory.session_id]
+        group = self._groups.setdefault(trajectory.group_id, Group(trajectory.group_id, opened=self.clock()))
+        group.trajectories += sorted(segments, key=lambda t: t.segment)
 
     def pop_ready(self) -> list[Group]:
         """Complete groups, then timed-out ones, oldest first."""
@@ -58,6 +67,8 @@ class GroupBuffer:
             del self._groups[group.group_id]
         return ready
 
-    def pending(self) -> list[dict[str, Any]]:
-        """Everything buffered, for the checkpoint (so a restart loses nothing)."""
-        return [t for g in sorted(self._groups.values(), key=lambda g: g.opened) for t in g.trajectories]
+    def pending(self) -> list[Trajectory]:
+        """Everything buffered, in seq order, for the checkpoint (so a restart loses nothing)."""
+        grouped = [t for g in self._groups.values() for t in g.trajectories]
+        arriving = [t for segments in self._arriving.values() for t in segments]
+        return sorted(grouped + arriving, key=lambda t: t.seq)

@@ -2,7 +2,8 @@
 
 Exactly once across restarts: the cursor is the seq of the last trajectory the trainer took
 from the stream, and everything it took but has not trained on yet (the group buffer) is
-saved with it. The list of seqs each step trained on is kept too, so a run can prove it.
+saved with it (as the stream's JSON, read back as `Trajectory`). The seqs each step trained on,
+and those consumed without a step, are kept too, so a run can prove it.
 A checkpoint is written to a temporary folder and renamed into place: a crash leaves the
 previous one whole.
 """
@@ -17,18 +18,40 @@ from typing import Any
 
 import torch
 
+from molt_proxy.types import Trajectory
+
 
 @dataclass(slots=True)
 class TrainerState:
     step: int = 0
+    """Trainer steps taken: steps that changed the weights (`loop.py`)."""
     version: int = 0
-    """Weight version of the policy being trained (= optimizer steps taken)."""
+    """Weight version of the policy being trained (= trainer steps taken)."""
+    optimizer_steps: int = 0
+    """Optimizer steps taken: ppo_epochs x mini_batches per trainer step, less any whose
+    gradient was zero."""
     cursor: int = 0
-    pending: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[Trajectory] = field(default_factory=list)
+    """Taken from the stream, not yet trained on (the group buffer), in seq order."""
     trained: list[list[int]] = field(default_factory=list)
     """[steps] the seqs each step trained on."""
+    consumed: list[int] = field(default_factory=list)
+    """Seqs taken and let go without a step: groups too stale to train on, and the
+    trajectories of skipped steps."""
+    skipped_steps: dict[str, int] = field(default_factory=dict)
+    """Steps skipped (no optimizer step, no version) by reason (`loop.py`): zero_advantage,
+    untrainable, stale, masked."""
+    dropped_stale_groups: int = 0
+    """Groups whose every sampled token was past `max_staleness` when they became ready."""
     baseline: float | None = None
     """Running baseline of REINFORCE with baseline."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "pending": [t.to_json() for t in self.pending]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerState:
+        return cls(**{**data, "pending": [Trajectory.from_json(t) for t in data["pending"]]})
 
 
 def save(folder: Path, state: TrainerState, policy_state: dict[str, Any]) -> None:
@@ -37,7 +60,7 @@ def save(folder: Path, state: TrainerState, policy_state: dict[str, Any]) -> Non
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save(policy_state, tmp / "policy.pt")
-    (tmp / "state.json").write_text(json.dumps(asdict(state)))
+    (tmp / "state.json").write_text(json.dumps(state.to_json()))
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -53,5 +76,5 @@ def load(folder: Path) -> tuple[TrainerState, dict[str, Any]] | None:
         if not (old / "state.json").exists():
             return None
         folder = old
-    state = TrainerState(**json.loads((folder / "state.json").read_text()))
+    state = TrainerState.from_json(json.loads((folder / "state.json").read_text()))
     return state, torch.load(folder / "policy.pt", weights_only=False)

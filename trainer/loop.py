@@ -1,9 +1,26 @@
-"""The async training loop: stream → complete groups → advantages → step → checkpoint →
-refresh vLLM. Runs as a Ray actor; agents keep running against the proxy all the while.
+"""The async training loop: stream → whole sessions, complete groups → advantages → step →
+checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running against the proxy all the
+while.
 
-Versions: the policy after k optimizer steps is version k. Each refresh labels vLLM's weights
-with the trainer's version, so every sampled token carries the version that produced it and
-staleness (trainer version − token version) is exact.
+Steps and versions: a trainer step takes `groups_per_step` groups and runs PPO's schedule on
+them (`Policy.ppo_step`: pi_old once, then `ppo_epochs` x `mini_batches` optimizer steps).
+The policy after k trainer steps is version k; each refresh labels vLLM's weights with it, so
+every sampled token carries the version that produced it and staleness (trainer version −
+token version) counts the trainer steps (weight pushes) the sampler was behind, whatever the
+number of optimizer steps in each. `max_staleness` bounds that, vLLM is refreshed once per
+step (or every `refresh_every`), and `TrainerState.optimizer_steps` counts the optimizer steps
+separately. With the defaults (one epoch, one mini-batch) versions equal optimizer steps.
+
+Steps that would change nothing are skipped, counted (`TrainerState.skipped_steps`, in every
+metrics record) and logged: their trajectories are consumed (the cursor moves on, they are
+not trained on later) but no optimizer step runs, the step and version stay, and vLLM is not
+refreshed. A step is skipped when every advantage is 0 ("zero_advantage"), every sampled
+token is left out by how it was sampled ("untrainable", `sampling.py`), every one left is past
+`max_staleness` ("stale"), or every update's gradient was exactly 0, i.e. every kept token was
+masked by its importance weight ("masked"). A group whose every sampled token
+is already past `max_staleness` when it becomes ready is dropped and counted instead of
+waiting for a step. `max_steps` counts steps taken and skipped alike: a solved task (every
+reward equal, so every advantage 0) skips every step, and the run must still end.
 """
 
 from __future__ import annotations
@@ -17,11 +34,13 @@ from typing import Any
 import httpx
 import torch
 
+from molt_proxy.types import Trajectory
 from trainer import checkpoint
 from trainer.advantage import Estimator, compute_advantages, update_baseline
-from trainer.batch import collate
+from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
+from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
 from trainer.source import TrajectoryStream
 
@@ -34,12 +53,21 @@ def group_advantages(groups: list[Group], estimator: Estimator, baseline: float 
     shared by all segments of a session."""
     advantages = []
     for group in groups:
-        rewards = {t["session_id"]: t["reward"] for t in group.trajectories}
+        rewards = {t.session_id: t.reward for t in group.trajectories}
         sessions = list(rewards)
         values = compute_advantages([rewards[s] for s in sessions], estimator, baseline=baseline or 0.0)
         by_session = dict(zip(sessions, values, strict=True))
-        advantages += [by_session[t["session_id"]] for t in group.trajectories]
+        advantages += [by_session[t.session_id] for t in group.trajectories]
     return advantages
+
+
+def has_fresh_tokens(group: Group, version: int, max_staleness: int | None) -> bool:
+    """Whether any sampled token of the group is at most `max_staleness` versions old."""
+    return any(
+        m and (max_staleness is None or version - v <= max_staleness)
+        for t in group.trajectories
+        for v, m in zip(t.weight_versions, t.loss_mask, strict=True)
+    )
 
 
 class Trainer:
@@ -71,12 +99,18 @@ class Trainer:
         stream = TrajectoryStream(config.proxy_url, state.cursor, admin_key=config.admin_key).start()
         ready: list[Group] = []
         try:
-            while state.step < config.max_steps:
+            while state.step + sum(state.skipped_steps.values()) < config.max_steps:
                 trajectory = stream.get(timeout_s=0.2)
                 if trajectory is not None:
                     buffer.add(trajectory)
-                    state.cursor = trajectory["seq"]
-                ready += buffer.pop_ready()
+                    state.cursor = trajectory.seq
+                for group in buffer.pop_ready():
+                    if has_fresh_tokens(group, state.version, config.loss.max_staleness):
+                        ready.append(group)
+                    else:
+                        state.dropped_stale_groups += 1
+                        state.consumed += [t.seq for t in group.trajectories]
+                        log.info("dropped group %s: every sampled token is stale", group.group_id)
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
                     self._step(groups, pending=[t for g in ready for t in g.trajectories] + buffer.pending())
@@ -87,28 +121,38 @@ class Trainer:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
         return {"step": state.step, "version": state.version, "cursor": state.cursor}
 
-    def _step(self, groups: list[Group], pending: list[dict[str, Any]]) -> None:
+    def _step(self, groups: list[Group], pending: list[Trajectory]) -> None:
         config, state = self.config, self.state
         started = time.monotonic()
         trajectories = [t for g in groups for t in g.trajectories]
         advantages = group_advantages(groups, config.estimator, state.baseline)
-        rewards = [t["reward"] for t in trajectories]
+        batch = collate(trajectories, advantages, train_greedy=config.train_greedy)
+        state.pending = pending
+        if not any(advantages):
+            return self._skip(trajectories, "zero_advantage")
+        if not batch.loss_mask.any():
+            return self._skip(trajectories, "untrainable")
+        if count_loss_tokens(batch.loss_mask, batch.weight_versions, state.version, config.loss) == 0:
+            return self._skip(trajectories, "stale")
+        step_metrics = self.policy.ppo_step(
+            self._mini_batches(batch), state.version, config.loss, epochs=config.ppo_epochs
+        )
+        if step_metrics["optimizer_steps"] == 0:
+            return self._skip(trajectories, "masked")
+        compute_s = time.monotonic() - started
+        rewards = [t.reward for t in trajectories if t.reward is not None]
         if config.estimator == Estimator.REINFORCE_BASELINE:
             state.baseline = update_baseline(state.baseline, rewards, _BASELINE_DECAY)
-        batch = collate(trajectories, advantages)
-        micro_batches = batch.split(max(1, -(-len(trajectories) // config.micro_batch_size)))
-        step_metrics = self.policy.train_step(micro_batches, state.version, config.loss)
-        compute_s = time.monotonic() - started
         state.step += 1
         state.version += 1
-        state.trained.append([t["seq"] for t in trajectories])
-        state.pending = pending
+        state.optimizer_steps += int(step_metrics["optimizer_steps"])
+        state.trained.append([t.seq for t in trajectories])
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
         sampled = [
             (state.version - 1) - v
             for t in trajectories
-            for v, m in zip(t["weight_versions"], t["loss_mask"], strict=True)
+            for v, m in zip(t.weight_versions, t.loss_mask, strict=True)
             if m
         ]
         record = {
@@ -128,8 +172,32 @@ class Trainer:
             "step_s": time.monotonic() - started,
             "time": time.time(),
             **step_metrics,
+            **batch.sampling.counts(),
+            "optimizer_steps_total": state.optimizer_steps,
+            "dropped_stale_groups": state.dropped_stale_groups,
+            **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
         self.metrics.write(record)
+
+    def _mini_batches(self, batch: Batch) -> list[list[Batch]]:
+        """`mini_batches` parts of the step's rows (balanced by tokens), each split into
+        micro-batches of about `micro_batch_size` rows."""
+        parts = batch.split(min(self.config.mini_batches, len(batch)))
+        return [part.split(-(-len(part) // self.config.micro_batch_size)) for part in parts]
+
+    def _skip(self, trajectories: list[Trajectory], reason: str) -> None:
+        """A step that would change nothing: its trajectories are consumed, the weights, step
+        and version stay, vLLM is not refreshed; counted and checkpointed."""
+        state = self.state
+        state.skipped_steps[reason] = state.skipped_steps.get(reason, 0) + 1
+        state.consumed += [t.seq for t in trajectories]
+        checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
+        log.info(
+            "skipped a step (%s): %d trajectories consumed, weights and version %d unchanged",
+            reason,
+            len(trajectories),
+            state.version,
+        )
 
     def _refresh(self) -> float:
         """Save the current weights and have the proxy load them into every replica."""

@@ -7,7 +7,10 @@ forward pass gives `logprobs`), compute advantages (`advantage.py`) or split mic
 Three policies meet here, per sampled token t:
 
     pi      the current policy, `logprobs`: the only input with a gradient;
-    pi_old  the proximal policy of the trust region, `old_logprobs` (default: mu);
+    pi_old  the proximal policy of the trust region, `old_logprobs` (default: mu): the weights
+            at the start of the trainer's step (`policy.ppo_step`), so r = pi / pi_old is 1
+            in a step's first update and the clip acts from its second (`--ppo-epochs`,
+            `--mini-batches`);
     mu      the policy vLLM sampled with, `rollout_logprobs`. It differs from pi_old even at
             the same weights (other kernels and precision), and more so when it is a few
             weight versions behind, as asynchronous training makes it.
@@ -19,7 +22,8 @@ The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
     r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it
     w_t = f(exp(pi_old_t - mu_t))       train/rollout importance weight, no gradient;
                                         f truncates or masks (`LossConfig.is_mode`)
-    N   = kept tokens in the whole step, so micro-batches add up to the full-batch loss
+    N   = kept tokens of the whole optimizer step (its mini-batch), so micro-batches add up
+          to the full-batch loss
     kept = sampled (loss_mask 1) and at most `max_staleness` weight versions old
 
 Tokens masked by the importance weight stay in N: masking is an importance weight of zero,

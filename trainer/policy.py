@@ -5,10 +5,18 @@ process; with `fsdp=True` the same class runs as one rank of a data-parallel gro
 FSDP2 (`workers.py` starts the group and feeds each rank its shard of the step). It does not
 choose the data (the loop does), define the loss (`loss.py`) or talk to vLLM (the proxy does).
 
-One optimizer step per batch: the proximal policy of the loss (pi_old) is the current
-weights, so its logprobs are this step's own, detached, with no second forward pass. The PPO
-ratio is then 1 and its clip idle within the step; the train/rollout weight exp(pi_old - mu)
-is what corrects for vLLM sampling with other kernels or older weights.
+A trainer step (`ppo_step`) is PPO's schedule: pi_old, the proximal policy of the loss, is the
+weights before the step, computed once under no_grad before the first update; then
+`epochs` passes over the step's mini-batches, one optimizer step (`train_step`) each. From the
+second update on, pi has moved away from pi_old, so the ratio pi / pi_old leaves 1 and the
+clip bounds how far (`loss.py`). With one epoch of one mini-batch (the default) pi_old is the
+detached pi of that update's own forward pass (the same weights): the ratio is 1, the clip
+idle, and the objective a truncated-IS policy gradient. In every case the train/rollout weight
+exp(pi_old - mu) corrects for vLLM sampling with other kernels or older weights.
+
+An update whose gradient is exactly zero (every token masked by its importance weight, or
+every advantage 0) skips `optimizer.step`: AdamW would still move the weights by momentum
+and decay. `optimizer_steps` in the metrics counts the updates taken.
 """
 
 from __future__ import annotations
@@ -35,13 +43,18 @@ from transformers import AutoModelForCausalLM
 
 from trainer.batch import Batch
 from trainer.loss import LossConfig, count_loss_tokens, policy_loss
+from trainer.sampling import TokenSampling, processed_logprobs
 
 # 1. Logprobs --------------------------------------------------------------------------------
 
 
-def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: TokenSampling | None = None
+) -> Tensor:
     """[B,T] float32 log p(token_t | tokens_<t), aligned to positions; 0.0 at position 0 and on
-    padding. input_ids, attention_mask: [B,T], right-padded.
+    padding. input_ids, attention_mask: [B,T], right-padded. `sampling` ([B,T]): the
+    temperature and truncation each token was sampled with (`trainer/sampling.py`), so p is
+    the distribution vLLM drew it from; None is plain sampling (T = 1, whole vocabulary).
 
     A float32 log_softmax, then a gather: the computation vLLM's sampler does for the logprobs
     it records. On CPU that float32 normaliser over a 150k vocabulary is off by up to ~3e-4
@@ -53,8 +66,12 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
     kernel, is the next step.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
-    logprobs = nn.functional.pad(picked.squeeze(-1), (1, 0))
+    if sampling is None:
+        picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
+        picked = picked.squeeze(-1)
+    else:
+        picked = processed_logprobs(logits, input_ids[:, 1:], sampling.shifted())
+    logprobs = nn.functional.pad(picked, (1, 0))
     return torch.where(attention_mask.bool(), logprobs, torch.zeros_like(logprobs))
 
 
@@ -62,8 +79,8 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
 
 _SUMMED = frozenset({"loss", "kept_tokens", "stale_tokens"})
 _MAXED = frozenset({"is_ratio_max"})
-_SHARED = frozenset({"grad_norm"})
-"""The same on every rank: the norm is of the whole, reduced gradient."""
+_SHARED = frozenset({"grad_norm", "optimizer_steps"})
+"""The same on every rank: the norm is of the whole, reduced gradient, and it decides the step."""
 
 
 def merge_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -86,11 +103,24 @@ def merge_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
+def merge_updates(updates: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
+    """A trainer step's metrics from those of its updates (`epochs` passes over the same
+    mini-batches, in order): each epoch's mini-batches merge as micro-batches do (they
+    partition the step's tokens), the epochs are averaged, and `optimizer_steps` adds up.
+    `grad_norm` is the mean over the updates."""
+    per_epoch = len(updates) // epochs
+    epoch_metrics = [merge_metrics(updates[e * per_epoch : (e + 1) * per_epoch]) for e in range(epochs)]
+    merged = {key: sum(m[key] for m in epoch_metrics) / epochs for key in epoch_metrics[0]}
+    merged["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
+    merged["optimizer_steps"] = sum(u["optimizer_steps"] for u in updates)
+    return merged
+
+
 # 3. The policy ------------------------------------------------------------------------------
 
 
 class Policy:
-    """A causal LM (float32) and AdamW, trained one step per batch.
+    """A causal LM (float32) and AdamW, trained by PPO steps of one or more updates.
 
     model_dir: a Hugging Face folder (the weights vLLM started with, or a pushed version).
     weight_decay: 0 by default; decay pulls towards zero, not towards the starting policy.
@@ -127,6 +157,48 @@ class Policy:
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
 
+    def ppo_step(
+        self,
+        mini_batches: Sequence[Sequence[Batch]],
+        current_version: int,
+        loss: LossConfig,
+        *,
+        epochs: int = 1,
+        num_tokens: Sequence[int] | None = None,
+    ) -> dict[str, float]:
+        """One trainer step: pi_old once, then `epochs` passes of one `train_step` per
+        mini-batch (each a list of micro-batches).
+
+        num_tokens: N of each mini-batch; None counts them here (a data-parallel rank is
+            given the counts over all ranks).
+
+        Returns `merge_updates` of the updates' metrics; `optimizer_steps` is 0 when every
+        update's gradient was zero, i.e. the step left the weights as they were.
+        """
+        if epochs < 1 or not mini_batches:
+            raise ValueError(
+                f"a step needs epochs >= 1 and a mini-batch, got {epochs} and {len(mini_batches)}"
+            )
+        counts = list(num_tokens) if num_tokens is not None else [None] * len(mini_batches)
+        if epochs == 1 and len(mini_batches) == 1:
+            update = self.train_step(mini_batches[0], current_version, loss, num_tokens_in_step=counts[0])
+            return merge_updates([update], 1)
+        with torch.no_grad():
+            old = [[self.logprobs(mb) for mb in mini_batch] for mini_batch in mini_batches]
+        updates = [
+            self.train_step(
+                mini_batch, current_version, loss, num_tokens_in_step=count, old_logprobs=old_logprobs
+            )
+            for _ in range(epochs)
+            for mini_batch, count, old_logprobs in zip(mini_batches, counts, old, strict=True)
+        ]
+        return merge_updates(updates, epochs)
+
+    def logprobs(self, micro_batch: Batch) -> Tensor:
+        """[B,T] `token_logprobs` of a micro-batch under the current weights, on `device`."""
+        mb = micro_batch.to(self.device)
+        return token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
+
     def train_step(
         self,
         micro_batches: Sequence[Batch],
@@ -134,17 +206,21 @@ class Policy:
         loss: LossConfig,
         *,
         num_tokens_in_step: int | None = None,
+        old_logprobs: Sequence[Tensor] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over all micro-batches, gradients accumulated in between.
 
         current_version: the trainer's weight version, for the staleness bound.
-        num_tokens_in_step: N, the kept tokens of the whole step. None counts them here; a
+        num_tokens_in_step: N, the kept tokens of the whole update. None counts them here; a
             data-parallel rank is given the count over all ranks, so every token of the
-            step weighs 1/N wherever it was computed.
+            update weighs 1/N wherever it was computed.
+        old_logprobs: [B,T] log pi_old of each micro-batch (`ppo_step` computes them before
+            its first update); None takes this forward pass's own, detached: right while the
+            weights are still those of pi_old.
 
         Returns `policy_loss`'s metrics merged over micro-batches (`kept_tokens` adds up to
-        N), `loss` (the step's loss) and `grad_norm` (before clipping). A step whose every
-        token is stale or masked out leaves the weights alone (no decay, no momentum).
+        N), `loss` (the update's loss), `grad_norm` (before clipping) and `optimizer_steps`
+        (1, or 0 when the gradient was exactly zero and the weights were left alone).
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
@@ -155,9 +231,9 @@ class Policy:
             )
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        for micro_batch in micro_batches:
+        for i, micro_batch in enumerate(micro_batches):
             mb = micro_batch.to(self.device)
-            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
             value, metrics = policy_loss(
                 logprobs,
                 mb.rollout_logprobs,
@@ -166,7 +242,7 @@ class Policy:
                 mb.weight_versions,
                 current_version,
                 loss,
-                old_logprobs=logprobs.detach(),
+                old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[i],
                 num_tokens_in_step=num_tokens_in_step,
             )
             value.backward()
@@ -174,9 +250,11 @@ class Policy:
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        if num_tokens_in_step > 0:
+        # the norm is global under FSDP, so every rank takes the same decision
+        stepped = float(grad_norm) > 0.0
+        if stepped:
             self.optimizer.step()
-        return {**merge_metrics(parts), "grad_norm": float(grad_norm)}
+        return {**merge_metrics(parts), "grad_norm": float(grad_norm), "optimizer_steps": float(stepped)}
 
     def save_weights(self, out_dir: str | Path) -> None:
         """Write a complete Hugging Face folder that vLLM can `reload_weights` from (or start

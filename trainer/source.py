@@ -4,7 +4,8 @@
 `seq` order. A reader thread keeps the connection (reconnecting from the last seq it saw) and
 fills a queue; the training loop takes from the queue with a timeout, so it can also act on
 time (stragglers) while nothing arrives. What is in the queue is not yet consumed: the
-cursor the trainer checkpoints is the seq of the last trajectory it took.
+cursor the trainer checkpoints is the seq of the last trajectory it took. Records are parsed
+here, once, into `molt_proxy.types.Trajectory`: past this module the trainer reads attributes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
 
 import httpx
+
+from molt_proxy.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class TrajectoryStream:
         if admin_key:
             self.headers["authorization"] = f"Bearer {admin_key}"
         self._last_seen = after
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize)
+        self._queue: queue.Queue[Trajectory] = queue.Queue(maxsize)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="trajectory-stream", daemon=True)
 
@@ -39,7 +41,7 @@ class TrajectoryStream:
     def stop(self) -> None:
         self._stop.set()
 
-    def get(self, timeout_s: float) -> dict[str, Any] | None:
+    def get(self, timeout_s: float) -> Trajectory | None:
         """The next trajectory in seq order, or None if none arrived within `timeout_s`."""
         try:
             return self._queue.get(timeout=timeout_s)
@@ -61,10 +63,10 @@ class TrajectoryStream:
                         if self._stop.is_set():
                             return
                         if line.startswith("data: "):
-                            trajectory = json.loads(line[6:])
-                            if trajectory["seq"] <= self._last_seen:
+                            trajectory = Trajectory.from_json(json.loads(line[6:]))
+                            if trajectory.seq <= self._last_seen:
                                 continue
-                            self._last_seen = trajectory["seq"]
+                            self._last_seen = trajectory.seq
                             self._queue.put(trajectory)
             except httpx.HTTPError as exc:
                 log.warning(

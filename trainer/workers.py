@@ -1,15 +1,21 @@
 """The scale path: data-parallel training over Ray actors, each rank one FSDP2 shard.
 
 Owns the process group and the split of a step across ranks. `DataParallelPolicy` has the
-surface of `Policy` (train_step, save_weights, state_dict, load_state_dict), so the loop does
-not know which one it drives. Each `TrainWorker` is a Ray actor holding a `Policy` with
-`fsdp=True`; the collectives run over gloo on CPU and NCCL on GPU. It does not choose data,
-compute the loss or talk to vLLM.
+surface of `Policy` that the loop uses (ppo_step, save_weights, state_dict, load_state_dict),
+so the loop does not know which one it drives. Each `TrainWorker` is a Ray actor holding a
+`Policy` with `fsdp=True`; the collectives run over gloo on CPU and NCCL on GPU. It does not
+choose data, compute the loss or talk to vLLM.
 
-The update equals the single-process one: the driver counts N, the kept tokens of the whole
-step, before anything runs, and every rank divides its loss by that global N; FSDP2 is set to
-sum (not average) the ranks' gradients (`policy._shard`), so the reduced gradient is the
-full-batch gradient, and clipping and AdamW then see exactly what one process would.
+The update equals the single-process one: the driver counts N, the kept tokens of each
+mini-batch, before anything runs, and every rank divides its loss by that global N; FSDP2 is
+set to sum (not average) the ranks' gradients (`policy._shard`), so the reduced gradient is the
+full-batch gradient, and clipping, the zero-gradient skip and AdamW then see exactly what one
+process would. Each rank runs the same PPO schedule (`Policy.ppo_step`: pi_old of its own
+shards, then epochs x mini-batches updates), so the collectives line up.
+
+Each micro-batch is split across the ranks balanced by tokens (`Batch.split`); a rank left
+without rows gets one masked token, so it still runs every forward, backward and collective
+and contributes a zero gradient.
 """
 
 from __future__ import annotations
@@ -60,11 +66,16 @@ class TrainWorker:
         device = "cuda" if on_gpu else "cpu"
         self.policy = Policy(self.model_dir, device=device, fsdp=True, **self.policy_kwargs)
 
-    def train_step(
-        self, micro_batches: list[Batch], current_version: int, loss: LossConfig, num_tokens_in_step: int
+    def ppo_step(
+        self,
+        mini_batches: list[list[Batch]],
+        current_version: int,
+        loss: LossConfig,
+        epochs: int,
+        num_tokens: list[int],
     ) -> dict[str, float]:
-        return self._policy.train_step(
-            micro_batches, current_version, loss, num_tokens_in_step=num_tokens_in_step
+        return self._policy.ppo_step(
+            mini_batches, current_version, loss, epochs=epochs, num_tokens=num_tokens
         )
 
     def save_weights(self, out_dir: str) -> None:
@@ -91,7 +102,7 @@ class DataParallelPolicy:
     """`Policy`'s surface over `num_workers` FSDP2 ranks (Ray actors, one CPU or GPU each).
 
     Uses the Ray cluster the caller connected to (a local one is started on first use).
-    Every micro-batch is split across the ranks, so each needs at least `num_workers` rows.
+    Every micro-batch is split across the ranks by tokens; it may have fewer rows than ranks.
     `policy_kwargs` go to each rank's `Policy` (lr, max_grad_norm, weight_decay, betas).
     """
 
@@ -113,18 +124,30 @@ class DataParallelPolicy:
         master_addr, master_port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(master_addr, master_port) for w in self.workers])
 
-    def train_step(
-        self, micro_batches: Sequence[Batch], current_version: int, loss: LossConfig
+    def ppo_step(
+        self,
+        mini_batches: Sequence[Sequence[Batch]],
+        current_version: int,
+        loss: LossConfig,
+        *,
+        epochs: int = 1,
     ) -> dict[str, float]:
-        """`Policy.train_step` over the ranks: rank r trains on row shard r of every micro-batch.
+        """`Policy.ppo_step` over the ranks: rank r trains on shard r of every micro-batch.
         Metrics are merged over the ranks as over micro-batches."""
-        tokens = sum(
-            count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss) for mb in micro_batches
-        )
-        shards = [mb.split(len(self.workers)) for mb in micro_batches]
+        tokens = [
+            sum(count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss) for mb in mini)
+            for mini in mini_batches
+        ]
+        shards = [[mb.split(len(self.workers)) for mb in mini] for mini in mini_batches]
         results = ray.get(
             [
-                w.train_step.remote([parts[rank] for parts in shards], current_version, loss, tokens)
+                w.ppo_step.remote(
+                    [[parts[rank] for parts in mini] for mini in shards],
+                    current_version,
+                    loss,
+                    epochs,
+                    tokens,
+                )
                 for rank, w in enumerate(self.workers)
             ]
         )

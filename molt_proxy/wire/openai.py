@@ -8,6 +8,7 @@ roles, content where a role needs it, text-only content.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +16,11 @@ from typing import Any
 import pydantic
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.exceptions import VLLMValidationError
 
 from molt_proxy.errors import BadRequest
 from molt_proxy.parsing import ParsedReply
+from molt_proxy.wire.jsonbody import decode_json_object
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _NEEDS_CONTENT = frozenset({"system", "developer", "user", "tool", "function"})
@@ -37,28 +40,71 @@ class ChatCall:
 
 def decode_chat_request(body: bytes) -> ChatCall:
     """Bytes → a validated request whose messages are plain dicts with text content."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
+    data = decode_json_object(body)
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     data["messages"] = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
-    try:
-        request = ChatCompletionRequest.model_validate(data)
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
-        raise BadRequest(f"invalid value for '{param}': {error['msg']}", param=param) from None
+    request = _validate(data)
     if request.n != 1:
         # n choices would be n diverging episodes behind one request, and the agent can
         # continue only one of them: sample N attempts as N sessions instead.
         raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
+    check_sampling(request)
     _refuse_constraints(request)
     metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     return ChatCall(request, data["messages"], data.get("tools"), metadata)
+
+
+def _validate(data: dict[str, Any]) -> ChatCompletionRequest:
+    """vLLM's own model. Its cross-field checks (`tool_choice` without `tools`, `top_logprobs`
+    without `logprobs`, ...) raise `VLLMValidationError`, which pydantic does not wrap, and a
+    few raise ValueError or TypeError: all are the request's fault. The message names the
+    field, never its value (a value may be a whole prompt)."""
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
+    except VLLMValidationError as exc:
+        message = str(exc.args[0]) if exc.args else "invalid request"
+        raise BadRequest(message[:300], param=exc.parameter) from None
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"invalid request: {type(exc).__name__}") from None
+
+
+def check_sampling(request: ChatCompletionRequest) -> None:
+    """Sampling values in the ranges vLLM's `SamplingParams._verify_args` accepts, checked at
+    the edge so a bad one is a 400 with `param` set here rather than an upstream error (or a
+    silent default) later. `seed` is bounded to int64 by `ChatCompletionRequest` itself."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, name)
+        if value is not None and value < 1:
+            raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
+    _in_range(request.temperature, "temperature", 0.0, 2.0)
+    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
+        raise BadRequest(f"'top_p' must be in (0, 1], got {request.top_p}", param="top_p")
+    if request.top_k is not None and request.top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 or 0 (off) or at least 1, got {request.top_k}", param="top_k")
+    _in_range(request.min_p, "min_p", 0.0, 1.0)
+    _in_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _in_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    penalty = request.repetition_penalty
+    if penalty is not None and not (math.isfinite(penalty) and penalty > 0.0):
+        raise BadRequest(f"'repetition_penalty' must be above 0, got {penalty}", param="repetition_penalty")
+    max_tokens = requested_max_tokens(request)
+    if request.min_tokens < 0 or (max_tokens is not None and request.min_tokens > max_tokens):
+        raise BadRequest(
+            f"'min_tokens' must be in [0, max_tokens], got {request.min_tokens}", param="min_tokens"
+        )
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if any(not s for s in stop):
+        raise BadRequest("'stop' cannot contain an empty string", param="stop")
+
+
+def _in_range(value: float | None, name: str, low: float, high: float) -> None:
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise BadRequest(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
 
 
 def _refuse_constraints(request: ChatCompletionRequest) -> None:
@@ -97,6 +143,7 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise BadRequest(f"{param}.content must be a string or an array of parts", param=f"{param}.content")
     if content is None and role in _NEEDS_CONTENT:
         raise BadRequest(f"{param} with role {role!r} needs 'content'", param=f"{param}.content")
+    _check_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
     # An echoed reply may hold only reasoning (vLLM's Qwen3 parser returns content null when
     # the model never closed its <think> block): that is a real turn, not an empty one.
     if (
@@ -108,6 +155,23 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
             f"{param}: an assistant message needs 'content', 'tool_calls' or 'reasoning_content'", param=param
         )
     return {**message, "content": content} if "content" in message or content is not None else message
+
+
+def _check_tool_calls(calls: Any, param: str) -> None:
+    """An echoed assistant message's calls reach the chat template as they are: each must be
+    an object whose `function` is an object with a string name."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise BadRequest(f"{param} must be an array", param=param)
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{param}.{i} must be an object with a 'function' object", param=f"{param}.{i}")
+        if not isinstance(function.get("arguments", ""), str | dict):
+            raise BadRequest(
+                f"{param}.{i}.function.arguments must be a string", param=f"{param}.{i}.function.arguments"
+            )
 
 
 def _text_part(part: Any, param: str) -> str:
@@ -132,7 +196,8 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
 
 def sampling_fields(request: ChatCompletionRequest, max_tokens: int) -> dict[str, Any]:
     """Every sampling field, explicitly (DESIGN §4): an omitted field would fall back to the
-    checkpoint's generation config (e.g. `top_k=20`), not to the OpenAI default."""
+    checkpoint's generation config (e.g. `top_k=20`), not to the OpenAI default. The proxy's
+    pins and vLLM's normalisation are applied next (`molt_proxy.sampling.effective_sampling`)."""
     fields: dict[str, Any] = {
         "n": 1,
         "max_tokens": max_tokens,

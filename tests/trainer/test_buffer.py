@@ -1,17 +1,15 @@
-"""Complete groups, stragglers, unrewarded sessions, and the checkpoint's exactly-once state."""
+"""Whole sessions, complete groups, stragglers, unrewarded sessions, and the checkpoint's
+exactly-once state."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.trainer.builders import session, trajectory
 from trainer import checkpoint
 from trainer.advantage import Estimator
 from trainer.buffer import GroupBuffer
 from trainer.loop import group_advantages
-
-
-def traj(seq: int, session: str, group: str, reward: float | None = 1.0) -> dict:
-    return {"seq": seq, "session_id": session, "group_id": group, "reward": reward}
 
 
 class Clock:
@@ -24,19 +22,43 @@ class Clock:
 
 def test_a_group_is_released_when_it_has_group_size_sessions():
     buffer = GroupBuffer(group_size=2, timeout_s=10, clock=Clock())
-    buffer.add(traj(1, "s1", "g"))
-    buffer.add(traj(2, "s1", "g"))  # a second segment of the same session
+    for t in session(1, "s1", "g", 1.0, segments=2):
+        buffer.add(t)
     assert buffer.pop_ready() == []
-    buffer.add(traj(3, "s2", "g"))
+    buffer.add(trajectory(3, "s2", "g"))
     [group] = buffer.pop_ready()
-    assert [t["seq"] for t in group.trajectories] == [1, 2, 3] and group.sessions == ["s1", "s2"]
+    assert [t.seq for t in group.trajectories] == [1, 2, 3] and group.sessions == ["s1", "s2"]
     assert buffer.pending() == []
+
+
+def test_a_group_is_released_only_with_every_segment_of_its_sessions():
+    """group_size 2, session a (1 segment), session b (3 segments): one group, all of b in it,
+    each segment with b's advantage (not [a:0, b:0] now and [b:1, b:2] later at advantage 0)."""
+    buffer = GroupBuffer(group_size=2, timeout_s=10, clock=Clock())
+    released = []
+    for t in session(1, "a", "g", 1.0, segments=1) + session(2, "b", "g", 0.0, segments=3):
+        buffer.add(t)
+        released += buffer.pop_ready()  # as the loop does, after every trajectory
+    [group] = released
+    assert [(t.session_id, t.segment) for t in group.trajectories] == [("a", 0), ("b", 0), ("b", 1), ("b", 2)]
+    assert group_advantages(released, Estimator.DR_GRPO, None) == [0.5, -0.5, -0.5, -0.5]
+    assert buffer.pending() == []
+
+
+def test_a_session_still_arriving_is_pending_and_not_counted():
+    buffer = GroupBuffer(group_size=1, timeout_s=0, clock=Clock())
+    first, second = session(7, "b", "g", 1.0, segments=2)
+    buffer.add(first)
+    assert buffer.pop_ready() == [] and buffer.pending() == [first]  # even past the timeout
+    buffer.add(second)
+    [group] = buffer.pop_ready()
+    assert group.trajectories == [first, second]
 
 
 def test_stragglers_are_released_after_the_timeout_and_counted():
     clock = Clock()
     buffer = GroupBuffer(group_size=3, timeout_s=5, clock=clock)
-    buffer.add(traj(1, "s1", "slow"))
+    buffer.add(trajectory(1, "s1", "slow"))
     clock.now = 4.9
     assert buffer.pop_ready() == []
     clock.now = 5.0
@@ -46,13 +68,13 @@ def test_stragglers_are_released_after_the_timeout_and_counted():
 
 def test_unrewarded_trajectories_are_never_buffered():
     buffer = GroupBuffer(group_size=1, timeout_s=5, clock=Clock())
-    buffer.add(traj(1, "s1", "g", reward=None))
+    buffer.add(trajectory(1, "s1", "g", reward=None))
     assert buffer.pop_ready() == [] and buffer.skipped_unrewarded == 1
 
 
 def test_advantages_are_per_session_and_shared_by_its_segments():
     buffer = GroupBuffer(group_size=2, timeout_s=5, clock=Clock())
-    for t in (traj(1, "a", "g", 1.0), traj(2, "a", "g", 1.0), traj(3, "b", "g", 0.0)):
+    for t in session(1, "a", "g", 1.0, segments=2) + session(3, "b", "g", 0.0, segments=1):
         buffer.add(t)
     groups = buffer.pop_ready()
     # Dr.GRPO: r - mean over the two sessions (1.0, 0.0) -> +0.5 / -0.5; "a" has two segments.
@@ -61,11 +83,20 @@ def test_advantages_are_per_session_and_shared_by_its_segments():
 
 def test_checkpoint_round_trip_keeps_cursor_pending_and_history(tmp_path):
     state = checkpoint.TrainerState(
-        step=3, version=3, cursor=42, pending=[traj(41, "s", "g")], trained=[[1, 2]]
+        step=3,
+        version=3,
+        optimizer_steps=6,
+        cursor=42,
+        pending=session(40, "s", "g", 1.0, segments=2),
+        trained=[[1, 2]],
+        consumed=[3],
+        skipped_steps={"stale": 1},
+        dropped_stale_groups=2,
     )
     checkpoint.save(tmp_path / "ckpt", state, {"weights": [1.0, 2.0]})
     restored, policy_state = checkpoint.load(tmp_path / "ckpt")
     assert restored == state and policy_state == {"weights": [1.0, 2.0]}
+    assert restored.pending[1].num_segments == 2  # Trajectory objects, not the JSON dicts
     state.step = 4
     checkpoint.save(tmp_path / "ckpt", state, {"weights": [3.0]})  # replaces the previous one whole
     assert checkpoint.load(tmp_path / "ckpt")[0].step == 4

@@ -31,14 +31,15 @@ def test_example_task_reward_climbs(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 agent-visible errors" in result.stdout
     records = read(out / "train" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 25))
+    # A step taken writes a line; a skipped one (every advantage 0, e.g. a solved batch) does not.
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= 12
     quarter = len(records) // 4
     first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
     last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
     assert last > first + 0.2, (first, last)
     assert (out / "train" / "reward_curve.png").stat().st_size > 0
     # Every step refreshed vLLM: the versions vLLM labelled tokens with reached the last steps.
-    assert max(r["version"] for r in records) == 24
+    assert max(r["version"] for r in records) == len(records)
 
 
 def _agents(proxy_url: str, stop_file: Path) -> subprocess.Popen:
@@ -96,11 +97,11 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         stop_file.touch()
         agents.wait(timeout=120)
     state, _ = checkpoint.load(out / "checkpoint")
-    assert state.step == 8
+    assert state.step + sum(state.skipped_steps.values()) == 8  # taken or skipped
     trained = [seq for step in state.trained for seq in step]
     assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
-    taken = set(trained) | {t["seq"] for t in state.pending}
+    taken = set(trained) | set(state.consumed) | {t.seq for t in state.pending}
     finalized = {t["seq"] for t in trajectories(proxy.url) if t["seq"] <= state.cursor}
-    assert taken == finalized, "every trajectory up to the cursor is trained on or still pending"
+    assert taken == finalized, "every trajectory up to the cursor is trained on, let go or still pending"
     # The restarted trainer pushed its resumed version back to vLLM before going on.
-    assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == "8"
+    assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == str(state.version)

@@ -12,6 +12,7 @@ import torch
 from openai import OpenAI
 
 from molt_proxy.tinymodel import Conversation, thinking_episode, weather_episode
+from molt_proxy.types import Trajectory
 from tests.helpers import forward_logprobs, reply_as_message, trajectories
 from trainer.batch import collate
 from trainer.policy import Policy, token_logprobs
@@ -46,14 +47,14 @@ def test_fresh_policy_logprobs_match_the_recorded_rollout_logprobs(qwen3_model, 
         reward = {"session_id": session, "reward": 1.0}
         httpx.post(f"{proxy.url}/v1/rewards", json=reward).raise_for_status()
 
-    records = trajectories(proxy.url)
+    records = [Trajectory.from_json(record) for record in trajectories(proxy.url)]
     assert len(records) >= 3
     batch = collate(records, [1.0] * len(records))
     with torch.no_grad():
         logprobs = token_logprobs(Policy(qwen3_model).model, batch.input_ids, batch.attention_mask)
     # Batching and right padding change nothing: each row is its own sequence's forward.
     for row, record in enumerate(records):
-        alone = torch.tensor(forward_logprobs(qwen3_model, record["token_ids"]))
+        alone = torch.tensor(forward_logprobs(qwen3_model, record.token_ids))
         torch.testing.assert_close(logprobs[row, : len(alone)], alone, rtol=0, atol=1e-5)
     # And that forward is vLLM's at every sampled token (measured: max 6e-6, mean 2e-7).
     sampled = batch.loss_mask.bool()

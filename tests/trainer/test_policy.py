@@ -4,7 +4,6 @@ and the micro-batch invariance of an update, and weights and checkpoints out and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from molt_proxy.tinymodel import build_tiny_model
+from molt_proxy.types import Trajectory
+from tests.trainer.builders import trajectory
 from trainer.batch import Batch, collate
 from trainer.loss import LossConfig
 from trainer.policy import Policy, token_logprobs
@@ -36,24 +37,24 @@ def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[flo
     return [0.0, *picked.tolist()]
 
 
-def trajectories(model: torch.nn.Module, *, seed: int = 0, noise: float = 1.0) -> list[dict[str, Any]]:
-    """Records shaped like the proxy's: random tokens, the first one stale (version 0), and
-    rollout logprobs = the model's own plus noise, so importance weights vary and some are
-    truncated."""
+def trajectories(model: torch.nn.Module, *, seed: int = 0, noise: float = 1.0) -> list[Trajectory]:
+    """Random tokens, the first trajectory stale (version 0), and rollout logprobs = the
+    model's own plus noise, so importance weights vary and some are truncated."""
     gen = torch.Generator().manual_seed(seed)
     records = []
     for row, (length, prompt) in enumerate(SHAPES):
         ids = torch.randint(1000, (length,), generator=gen).tolist()
-        sampled = length - prompt
         own = reference_logprobs(model, ids)[prompt:]
-        jitter = ((torch.rand(sampled, generator=gen) * 2 - 1) * noise).tolist()
+        jitter = ((torch.rand(length - prompt, generator=gen) * 2 - 1) * noise).tolist()
         records.append(
-            {
-                "token_ids": ids,
-                "loss_mask": [0] * prompt + [1] * sampled,
-                "logprobs": [0.0] * prompt + [lp + j for lp, j in zip(own, jitter, strict=True)],
-                "weight_versions": [-1] * prompt + [0 if row == 0 else CURRENT - 1] * sampled,
-            }
+            trajectory(
+                row,
+                f"s{row}",
+                token_ids=ids,
+                prompt=prompt,
+                logprobs=[lp + j for lp, j in zip(own, jitter, strict=True)],
+                version=0 if row == 0 else CURRENT - 1,
+            )
         )
     return records
 
@@ -73,8 +74,8 @@ def test_token_logprobs_of_a_padded_batch_equal_log_softmax_gather_per_sequence(
         logprobs = token_logprobs(policy.model, batch.input_ids, batch.attention_mask)
     assert logprobs.dtype == torch.float32 and logprobs.shape == batch.input_ids.shape
     for row, record in enumerate(records):
-        n = len(record["token_ids"])
-        expected = torch.tensor(reference_logprobs(policy.model, record["token_ids"]))
+        n = len(record.token_ids)
+        expected = torch.tensor(reference_logprobs(policy.model, record.token_ids))
         torch.testing.assert_close(logprobs[row, :n], expected, rtol=0, atol=1e-5)
         assert torch.all(logprobs[row, n:] == 0.0)
 
@@ -150,3 +151,64 @@ def test_a_checkpoint_resumes_training_exactly(model_dir: Path, tmp_path: Path) 
     expected = first.model.state_dict()
     for name, tensor in resumed.model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("why", ["every token masked by its importance weight", "every advantage zero"])
+def test_an_update_that_has_no_gradient_leaves_the_weights_and_adam_alone(model_dir: Path, why: str) -> None:
+    """After a real step Adam has momentum: an optimizer step on a zero gradient would still
+    move the weights (measured up to 6.7e-3), so it is not taken and is reported as such."""
+    policy = Policy(model_dir, lr=1e-4)
+    records = trajectories(policy.model, noise=0.0)[1:]
+    assert policy.train_step([collate(records, [1.0, -1.0, 0.5])], CURRENT, LOSS)["optimizer_steps"] == 1
+    before, adam_step = snapshot(policy), policy.optimizer.state[policy.model.lm_head.weight]["step"].item()
+
+    if why == "every advantage zero":
+        batch, loss = collate(records, [0.0, 0.0, 0.0]), LOSS
+    else:
+        batch, loss = collate(records, [1.0, -1.0, 0.5]), LossConfig(is_mode="mask", max_staleness=4)
+        batch.rollout_logprobs -= 5.0 * batch.loss_mask  # pi_old / mu = e^5, far above is_high
+    metrics = policy.train_step([batch], CURRENT, loss)
+
+    assert metrics["optimizer_steps"] == 0 and metrics["grad_norm"] == 0.0 and metrics["kept_tokens"] > 0
+    assert all(torch.equal(tensor, before[name]) for name, tensor in policy.model.state_dict().items())
+    assert policy.optimizer.state[policy.model.lm_head.weight]["step"].item() == adam_step
+
+
+def test_with_one_ppo_epoch_the_step_is_todays_single_update(model_dir: Path) -> None:
+    ppo, today = Policy(model_dir, lr=1e-4), Policy(model_dir, lr=1e-4)
+    batch = collate(trajectories(ppo.model), [1.5, -0.5, 1.0, -2.0])
+    got = ppo.ppo_step([batch.split(2)], CURRENT, LOSS, epochs=1)
+    expected = today.train_step(batch.split(2), CURRENT, LOSS)
+    assert got == pytest.approx(expected) and got["clip_frac_low"] == got["clip_frac_high"] == 0.0
+    assert all(torch.equal(tensor, snapshot(today)[name]) for name, tensor in snapshot(ppo).items())
+
+
+def test_a_second_ppo_epoch_clips_against_pi_old_of_the_step_start(model_dir: Path) -> None:
+    """pi_old is computed once, before the first update: in the second epoch pi has moved
+    (a large lr), the ratio pi / pi_old leaves 1 and the clip acts."""
+    ppo, by_hand = Policy(model_dir, lr=1e-2), Policy(model_dir, lr=1e-2)
+    records = trajectories(ppo.model, noise=0.0)[1:]
+    batch = collate(records, [1.0, -1.0, 1.0])
+    metrics = ppo.ppo_step([[batch]], CURRENT, LOSS, epochs=2)
+
+    with torch.no_grad():
+        old = by_hand.logprobs(batch)
+    first = by_hand.train_step([batch], CURRENT, LOSS, old_logprobs=[old])
+    with torch.no_grad():
+        ratio = (by_hand.logprobs(batch) - old).exp()[batch.loss_mask.bool()]
+    second = by_hand.train_step([batch], CURRENT, LOSS, old_logprobs=[old])
+
+    assert first["clip_frac_low"] == first["clip_frac_high"] == 0.0  # the first update: ratio 1
+    assert float((ratio - 1).abs().max()) > LOSS.clip_high
+    assert second["clip_frac_low"] + second["clip_frac_high"] > 0
+    assert metrics["optimizer_steps"] == 2
+    assert metrics["clip_frac_low"] + metrics["clip_frac_high"] == pytest.approx(
+        (second["clip_frac_low"] + second["clip_frac_high"]) / 2
+    )
+    expected = snapshot(by_hand)
+    for name, tensor in snapshot(ppo).items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,145 @@
+"""Request bodies of the JSON routes: the reward body as a model, and the schemas the served
+OpenAPI declares for every POST body (so clients and fuzzers see what each route takes).
+
+Every body goes through `decode_json_object` first; the models here then check shape and
+type. The chat route keeps its raw bytes (it hashes them and needs the messages exactly as
+sent), so its schema is declared for the OpenAPI only and vLLM's own model validates it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import pydantic
+from pydantic import BaseModel, Field, StrictBool, field_validator
+
+from molt_proxy.errors import BadRequest
+from molt_proxy.wire.jsonbody import check_json_safe, decode_json_object
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class RewardBody(BaseModel):
+    """`POST /v1/rewards`: a final reward closes the session; `final: false` with a
+    `completion_id` rewards that one turn."""
+
+    session_id: str | None = Field(None, min_length=1)
+    completion_id: str | None = Field(None, min_length=1)
+    reward: float = Field(strict=True, allow_inf_nan=False)
+    """Finite: one NaN in the store would make every later trajectory read fail."""
+    final: StrictBool = True
+    info: dict[str, Any] = Field(default_factory=dict)
+    """Free-form, stored with the trajectories: JSON with finite numbers only."""
+
+    @field_validator("info")
+    @classmethod
+    def _json_safe(cls, info: dict[str, Any]) -> dict[str, Any]:
+        try:
+            check_json_safe(info)
+        except BadRequest as exc:
+            raise ValueError(exc.message) from None
+        return info
+
+    @classmethod
+    def decode(cls, body: bytes) -> RewardBody:
+        reward = validated(cls, decode_json_object(body))
+        if (reward.session_id is None) == (reward.completion_id is None):
+            raise BadRequest("give exactly one of 'session_id' and 'completion_id'", param="session_id")
+        return reward
+
+
+def validated(model: type[M], data: dict[str, Any]) -> M:
+    """`model` from a decoded body, its first error as a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
+
+
+def request_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body itself."""
+    content = {"application/json": {"schema": schema}}
+    return {"requestBody": {"required": required, "content": content}}
+
+
+_NAME = {"type": "string", "minLength": 1}
+SESSION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"session_id": _NAME, "group_id": _NAME},
+}
+WEIGHTS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"path": _NAME, "version": {"type": "integer", "minimum": 0}},
+    "required": ["path", "version"],
+}
+_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "required": ["type", "text"],
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+        "reasoning_content": {"type": "string"},
+    },
+    "required": ["role"],
+}
+_TOOL = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {
+                "name": _NAME,
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+            "required": ["name"],
+        },
+    },
+    "required": ["type", "function"],
+}
+CHAT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "OpenAI Chat Completions (the fields vLLM's ChatCompletionRequest takes; a subset here).",
+    "properties": {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+        "seed": {"type": "integer"},
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "n": {"type": "integer", "const": 1},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0},
+        "tools": {"type": "array", "items": _TOOL},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, {"type": "object"}]},
+        "metadata": {"type": "object"},
+        "chat_template_kwargs": {"type": "object"},
+    },
+    "required": ["messages"],
+}

@@ -1,0 +1,87 @@
+"""The one JSON decoder for request bodies: what Python's `json` accepts but the proxy must not.
+
+Python's `json` reads `NaN` and `Infinity`, turns `1e400` into `inf`, keeps a lone
+surrogate (`"\\ud800"`) in a string that cannot be written as UTF-8 later, and recurses once
+per nesting level. Each of these once got past the edge and failed later: a non-finite
+reward made every trajectory read answer 500, a surrogate failed inside the render, deep
+nesting raised `RecursionError`. They are refused here, as a 400, before any route sees the
+body:
+
+- `NaN`, `Infinity`, `-Infinity`, and numbers that overflow to infinity;
+- integers outside int64 (what SQLite and vLLM's msgpack transport hold; Python's own limit
+  of 4,300 digits is far past any field's meaning);
+- nesting deeper than `MAX_DEPTH` objects and arrays;
+- lone surrogates in any string or key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from molt_proxy.errors import BadRequest
+
+MAX_DEPTH = 64
+"""Deepest nesting of objects and arrays accepted. A tool's JSON schema nests a dozen levels;
+the bound keeps templates, pydantic and `json.dumps` far from Python's recursion limit."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode_json_object(body: bytes, *, allow_empty: bool = False) -> dict[str, Any]:
+    """Bytes → a JSON object safe to validate, store and re-encode; BadRequest otherwise, with
+    `param` naming the offending value (`info.score`, `messages.0.content`)."""
+    if allow_empty and not body.strip():
+        return {}
+    try:
+        data = json.loads(body, parse_constant=float, parse_int=_int)
+    except RecursionError:
+        raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise BadRequest(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_json_safe(data)
+    return data
+
+
+def check_json_safe(value: Any, param: str = "") -> None:
+    """Refuse, in a decoded value, what JSON must not carry here: too deep, a lone surrogate, a
+    non-finite number, an integer outside int64. Iterative, so depth costs no stack."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, param)]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                raise BadRequest(f"'{path}' holds a lone UTF-16 surrogate", param=path or None)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise BadRequest(f"'{path}' must be a finite number", param=path or None)
+        elif item is _OUT_OF_RANGE or isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+            raise BadRequest(f"'{path}' is an integer out of the 64-bit range", param=path or None)
+        elif isinstance(item, int):
+            continue
+        elif isinstance(item, dict | list):
+            if depth >= MAX_DEPTH:
+                raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", param=path or None)
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in pairs:
+                child_path = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _LONE_SURROGATE.search(key):
+                    raise BadRequest("a key holds a lone UTF-16 surrogate", param=path or None)
+                stack.append((child, depth + 1, child_path))
+        else:
+            raise BadRequest(f"'{path}' is a {type(item).__name__}, not JSON", param=path or None)
+
+
+_OUT_OF_RANGE = object()
+"""What an integer literal of more than 19 digits decodes to: `int()` of a huge literal costs
+quadratic time (and fails past 4,300 digits), and the value is refused anyway."""
+
+
+def _int(text: str) -> int | object:
+    return _OUT_OF_RANGE if len(text) > 20 else int(text)

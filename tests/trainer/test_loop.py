@@ -1,0 +1,116 @@
+"""The real `Trainer.run` on a tiny model, with the stream and the vLLM refresh stubbed: steps
+that would change nothing are skipped and counted, stale groups dropped, versions count the
+trainer steps and the optimizer steps are counted apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from molt_proxy.tinymodel import build_tiny_model
+from molt_proxy.types import Trajectory
+from tests.trainer.builders import trajectory
+from trainer import checkpoint, loop
+from trainer.buffer import Group
+from trainer.config import TrainerConfig
+from trainer.loss import LossConfig
+from trainer.metrics import read
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", teach=False)
+
+
+class Stream:
+    """The proxy's stream as the loop sees it: these trajectories in order, then nothing."""
+
+    def __init__(self, records: list[Trajectory]):
+        self.records = list(records)
+
+    def start(self) -> Stream:
+        return self
+
+    def get(self, timeout_s: float) -> Trajectory | None:
+        return self.records.pop(0) if self.records else None
+
+    def stop(self) -> None:
+        pass
+
+
+def group(first_seq: int, name: str, rewards: tuple[float, float], version: int, logprob: float = -1.0):
+    return [
+        trajectory(first_seq + i, f"{name}-{i}", name, reward, version=version, logprobs=[logprob, logprob])
+        for i, reward in enumerate(rewards)
+    ]
+
+
+def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_consumed(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = [
+        *group(1, "first", (1.0, 0.0), version=0),  # step 1 (version 0 -> 1)
+        *group(3, "tie", (1.0, 1.0), version=1),  # every advantage 0
+        *group(5, "masked", (1.0, 0.0), version=1, logprob=40.0),  # pi_old / mu ~ e^-50 < is_low
+        *group(7, "stale", (1.0, 0.0), version=0),  # 1 version old, max_staleness 0
+        *group(9, "second", (0.0, 1.0), version=1),  # step 2
+    ]
+    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    refreshed: list[int] = []
+    monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: refreshed.append(self.state.version) or 0.0)
+    config = TrainerConfig(
+        proxy_url="http://unused",
+        model=str(model_dir),
+        out_dir=tmp_path,
+        group_size=2,
+        groups_per_step=1,
+        max_steps=4,  # taken and skipped: first, tie, masked, second
+        lr=1e-3,
+        ppo_epochs=2,
+        loss=LossConfig(is_mode="mask", is_low=1e-9, is_high=1e9, max_staleness=0),
+    )
+    trainer = loop.Trainer(config)
+    weights_before: list[dict[str, torch.Tensor]] = []
+    ppo_step = trainer.policy.ppo_step
+
+    def spy(*args, **kwargs):
+        weights_before.append({k: v.clone() for k, v in trainer.policy.model.state_dict().items()})
+        return ppo_step(*args, **kwargs)
+
+    trainer.policy.ppo_step = spy
+
+    assert trainer.run() == {"step": 2, "version": 2, "cursor": 10}
+
+    assert refreshed == [0, 1, 2]  # at start, then once per step taken: never for a skipped one
+    assert len(weights_before) == 3  # first, masked, second: the tie and the stale group never ran
+    masked, second = weights_before[1], weights_before[2]
+    assert all(torch.equal(masked[name], tensor) for name, tensor in second.items())
+    state, _ = checkpoint.load(tmp_path / "checkpoint")
+    assert state.trained == [[1, 2], [9, 10]] and sorted(state.consumed) == [3, 4, 5, 6, 7, 8]
+    assert state.skipped_steps == {"zero_advantage": 1, "masked": 1} and state.dropped_stale_groups == 1
+    assert state.optimizer_steps == 4  # two epochs per step taken; versions count steps
+    records_written = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records_written] == [1, 2]
+    last = records_written[-1]
+    assert last["optimizer_steps"] == 2 and last["optimizer_steps_total"] == 4
+    assert last["skipped_steps_masked"] == last["skipped_steps_zero_advantage"] == 1
+    assert last["dropped_stale_groups"] == 1
+
+
+def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: pytest.fail("refreshed on a skipped step"))
+    config = TrainerConfig(proxy_url="http://unused", model=str(model_dir), out_dir=tmp_path, group_size=2)
+    trainer = loop.Trainer(config)
+    trainer.state.version = trainer.state.step = 9  # tokens of version 0 are 9 > max_staleness 4 old
+    trainer.policy.ppo_step = lambda *args, **kwargs: pytest.fail("a step ran on stale tokens only")
+    stale = Group("g", group(1, "g", (1.0, 0.0), version=0))
+
+    trainer._step([stale], pending=[])
+
+    assert (trainer.state.step, trainer.state.version, trainer.state.optimizer_steps) == (9, 9, 0)
+    assert trainer.state.skipped_steps == {"stale": 1} and trainer.state.consumed == [1, 2]
+    assert not (tmp_path / "metrics.jsonl").exists()
