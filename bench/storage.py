@@ -85,7 +85,7 @@ def _agent(tokenizer: Tokenizer) -> Turns:
 def _random(rng: random.Random, i: int, t: int, sessions: Sessions) -> tuple[PromptPlan, list[int]]:
     prompt = [rng.randrange(150_000) for _ in range(rng.randrange(40, 160))]
     sampled = [rng.randrange(150_000) for _ in range(rng.randrange(20, 120))]
-    return PromptPlan(ids=prompt, new_ids=prompt, continues=t > 0), sampled
+    return PromptPlan(prompt, prompt, sessions.tokenizer.ids_bytes(prompt), continues=t > 0), sampled
 
 
 def live_bytes(path: Path) -> int:

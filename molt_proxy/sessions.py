@@ -121,7 +121,7 @@ class Sessions:
             for turn in turns:
                 if not session.segments or session.segments[-1].index != turn.segment:
                     session.segments.append(Segment(index=turn.segment))
-                plan = PromptPlan(ids=[], new_ids=turn.new_ids, continues=True)
+                plan = PromptPlan([], turn.new_ids, self.tokenizer.ids_bytes(turn.new_ids), continues=True)
                 replayed = commit_turn(
                     session.segments[-1],
                     plan,

@@ -27,6 +27,9 @@ class PromptPlan:
     """Full prompt sent to vLLM."""
     new_ids: list[int]
     """Ids this request appends before the completion (mask 0)."""
+    new_text: bytes
+    """The exact bytes of `new_ids`, computed with the plan (in the worker thread that plans a
+    large request) rather than at commit time on the event loop."""
     continues: bool
     """True: appended to the open segment. False: the history was rewritten (or there is no
     open segment) and the turn opens a new segment from the full render."""
@@ -47,9 +50,9 @@ def plan_prompt(segment: Segment | None, rendered: str, tokenizer: TokenText) ->
             suffix = None
         if suffix is not None:
             new_ids = tokenizer.encode(suffix) if suffix else []
-            return PromptPlan(ids=segment.token_ids + new_ids, new_ids=new_ids, continues=True)
+            return PromptPlan(segment.token_ids + new_ids, new_ids, tokenizer.ids_bytes(new_ids), True)
     ids = tokenizer.encode(rendered)
-    return PromptPlan(ids=ids, new_ids=ids, continues=False)
+    return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), False)
 
 
 def commit_turn(
@@ -75,7 +78,7 @@ def commit_turn(
     segment.loss_mask += [1] * len(generation.token_ids)
     segment.logprobs += generation.logprobs
     segment.weight_versions += generation.weight_versions
-    segment.text += tokenizer.ids_bytes(plan.new_ids + generation.token_ids)
+    segment.text += plan.new_text + tokenizer.ids_bytes(generation.token_ids)
     turn = Turn(
         completion_id=completion_id,
         prompt_start=prompt_start,

@@ -127,7 +127,7 @@ async def _record(store: Store, tokenizer: Tokenizer, seed: int = 0) -> Sessions
             generation = Generation(
                 sampled, [_float32(-rng.expovariate(2.0)) for _ in sampled], [t] * len(sampled), "stop"
             )
-            plan = PromptPlan(ids=prompt, new_ids=prompt, continues=t > 0)
+            plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), continues=t > 0)
             await sessions.record(session, plan, generation, f"c{i}-{t}", f"h{i}-{t}", reply)
     return sessions
 
