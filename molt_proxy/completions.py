@@ -23,7 +23,7 @@ from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
-from molt_proxy.sessions import Sessions, request_hash
+from molt_proxy.sessions import Session, Sessions, request_hash
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, Sampling, Segment
@@ -76,9 +76,10 @@ class Completions:
         self.sampling_pins = dict(sampling_pins or {})
         """Sampling fields that override what agents send (`Settings.sampling`)."""
 
-    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
+    async def _begin(self, caller: Caller, call: ChatCall, body: bytes) -> tuple[str, str, Session]:
+        """Render the request, hash it (for retries) and take its session, locked: the opening
+        every turn shares. The caller releases `session.lock`."""
         rendered = await self._render(call, body)
-        body_hash = request_hash(body)
         session = await self.sessions.acquire(
             caller.session_id,
             caller.api_key,
@@ -87,6 +88,10 @@ class Completions:
             echoed_call_ids(call),
             caller.principal,
         )
+        return rendered, request_hash(body), session
+
+    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
+        rendered, body_hash, session = await self._begin(caller, call, body)
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
                 return session.last_reply  # a retry of the request just answered
@@ -123,16 +128,7 @@ class Completions:
         length, an unreachable vLLM) fails before the first event, so the caller can send a
         plain error response: the first event goes out only once vLLM has sampled.
         """
-        rendered = await self._render(call, body)
-        body_hash = request_hash(body)
-        session = await self.sessions.acquire(
-            caller.session_id,
-            caller.api_key,
-            caller.group_id,
-            rendered.encode(),
-            echoed_call_ids(call),
-            caller.principal,
-        )
+        rendered, body_hash, session = await self._begin(caller, call, body)
         try:
             if body_hash == session.last_request_hash and session.last_reply is not None:
                 for event in _replay(session.last_reply, include_usage(call.request)):
