@@ -63,13 +63,35 @@ for episode in itertools.count():
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
 
-def _trainer(proxy_url: str, model: Path, out: Path, steps: int) -> subprocess.Popen:
+def _trainer(proxy_url: str, model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
+    """A trainer in its own session (killed as a whole); its output goes to `log`, and with
+    the fault handler on, SIGABRT makes it print where every thread is."""
     command = [
         sys.executable, "-m", "trainer", "--proxy-url", proxy_url, "--model", str(model),
         "--train-out", str(out), "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1",
         "--lr", "1e-3",
     ]  # fmt: skip
-    return subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            command, cwd=ROOT, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        )  # fmt: skip
+
+
+def _session_alive(sid: int) -> bool:
+    """Whether any process of session `sid` (a killed trainer, its Ray head and workers) is left."""
+    listed = subprocess.run(["ps", "-e", "-o", "sid=,stat="], capture_output=True, text=True).stdout
+    return any(int(f[0]) == sid and not f[1].startswith("Z") for f in map(str.split, listed.splitlines()))
+
+
+def _wait_or_dump(process: subprocess.Popen, log: Path, timeout_s: float) -> int:
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)  # the fault handler prints every thread's stack
+        process.wait(timeout=30)
+        output = log.read_text(errors="replace")[-8000:]
+        raise AssertionError(f"the trainer hung; its output:\n{output}") from None
 
 
 def _steps_done(folder: Path) -> int:
@@ -85,18 +107,23 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
     agents = _agents(proxy.url, stop_file)
     out = tmp_path / "train"
     try:
-        first = _trainer(proxy.url, digits_model, out, steps=8)
+        first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+        first = _trainer(proxy.url, digits_model, out, steps=8, log=first_log)
         deadline = time.monotonic() + 600
         # Steps taken or skipped (a skipped step, e.g. a group of equal rewards, writes no
         # metrics line but is checkpointed).
         while _steps_done(out / "checkpoint") < 3:
-            assert first.poll() is None and time.monotonic() < deadline
+            assert first.poll() is None and time.monotonic() < deadline, first_log.read_text()[-8000:]
             time.sleep(1.0)
         os.killpg(first.pid, signal.SIGKILL)  # mid-run: between or inside steps
         first.wait()
-        second = _trainer(proxy.url, digits_model, out, steps=8)
+        # As after a crashed machine: nothing of the first run (Ray head, workers) is left.
+        deadline = time.monotonic() + 60
+        while _session_alive(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        second = _trainer(proxy.url, digits_model, out, steps=8, log=second_log)
         try:
-            assert second.wait(timeout=600) == 0
+            assert _wait_or_dump(second, second_log, timeout_s=420) == 0, second_log.read_text()[-8000:]
         finally:
             if second.poll() is None:
                 os.killpg(second.pid, signal.SIGKILL)
