@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-import httpx
+from molt_proxy.launcher import ProxyServer, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 """The code measured: the checkout, or a snapshot of a commit (see bench/__main__.py)."""
@@ -124,63 +122,38 @@ class Section:
 # -- child processes -------------------------------------------------------------------------
 
 
-class Child:
-    """A server started as a child process in its own process group, so stopping it also
-    stops whatever it started (vLLM's engine, LiteLLM's workers)."""
+class Child(ServerProcess):
+    """A benchmark's server as a child process in its own process group (`launcher.ServerProcess`),
+    so stopping it also stops whatever it started (vLLM's engine, LiteLLM's workers); its output
+    in bench/out/logs/NAME.log, one run's worth."""
 
     def __init__(self, name: str, command: list[str], url: str, *, env: dict[str, str] | None = None):
-        self.name, self.command, self.url = name, command, url
-        self.log = OUT / "logs" / f"{name}.log"
-        self.env = {**os.environ, **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(command, url, log_path=_fresh_log(name), env=env, cwd=ROOT)
+        self.name = name
 
-    def start(self, timeout_s: float = 120.0, health: str = "/health") -> Child:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log}")
-            try:
-                if httpx.get(self.url + health, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"{self.name} did not come up in {timeout_s:.0f} s; see {self.log}")
+    def start(self, timeout_s: float | None = None, health: str = "/health") -> Child:
+        self.health = health
+        return super().start(timeout_s)
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
 
-    def __enter__(self) -> Child:
-        return self.start()
+def proxy_server(name: str, model: Path, upstream: str, db: Path) -> ProxyServer:
+    """`molt-proxy serve --upstream UPSTREAM` with its store at `db`, its output in
+    bench/out/logs/NAME.log."""
+    return ProxyServer(model, upstreams=[upstream], db=db, log_path=_fresh_log(name), cwd=ROOT)
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+
+def _fresh_log(name: str) -> Path:
+    log = OUT / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"")
+    return log
 
 
 def tiny_model(kind: str = "qwen3") -> Path:
     """A tiny random model, built once and reused: `qwen3` has the real Qwen3 tokenizer and
     chat template (what the proxy renders with in practice), `digits` the small byte-level
     BPE that examples/learn_digits.py trains with."""
-    from molt_proxy.tinymodel import build_tiny_model
+    from devtools import build_tiny_model
 
     out = OUT / "models" / kind
     if not (out / "generation_config.json").exists():

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from bench.common import HOME, OUT, PYTHON, ROOT, Child, Section, median, ratio, table
-from molt_proxy.launcher import VLLMServer, free_port
+from bench.common import HOME, OUT, PYTHON, ROOT, Section, median, proxy_server, ratio, table
+from molt_proxy.launcher import VLLMServer
 from molt_proxy.store import read_trajectories
 from trainer.metrics import read
 
@@ -41,15 +41,9 @@ def rollout_only(model: Path, agents: int, group_size: int, seconds: float) -> d
     for path in OUT.glob("e2e-rollout.db*"):
         path.unlink()
     with VLLMServer(str(model), max_model_len=256, log_path=OUT / "logs" / "vllm-e2e-rollout.log") as vllm:
-        port = free_port()
-        proxy = Child(
-            "molt-proxy-e2e-rollout",
-            [PYTHON, "-m", "molt_proxy", "serve", "--model", str(model), "--upstream", vllm.url]
-            + ["--port", str(port), "--db", str(OUT / "e2e-rollout.db")],
-            f"http://127.0.0.1:{port}",
-        )
+        proxy = proxy_server("molt-proxy-e2e-rollout", model, vllm.url, OUT / "e2e-rollout.db")
         with proxy:
-            runner = example.Agents(proxy.url, agents, group_size)
+            runner = example.Agents(proxy.url, agents, group_size, lambda: False)
             runner.start()
             time.sleep(5.0)  # warm-up
             first = runner.episodes

@@ -24,7 +24,7 @@ from molt_proxy.sessions import Sessions
 from molt_proxy.stitching import PromptPlan
 from molt_proxy.store import Store, StoredTurn
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation, SessionStatus
+from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
 
 PACKED_BYTES_PER_TOKEN = 4 + 1 + 4 + 4
 
@@ -43,7 +43,6 @@ async def _sessions(tokenizer: Tokenizer, n: int, turns: int) -> dict[str, float
     store = Store(db)
     await store.open()
     sessions = Sessions(store, tokenizer, "tiny")
-    reply = {"id": "chatcmpl-x", "choices": [{"message": {"role": "assistant", "content": "ok"}}]}
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -52,7 +51,10 @@ async def _sessions(tokenizer: Tokenizer, n: int, turns: int) -> dict[str, float
         session = await sessions.create(f"s{i}")
         for t in range(turns):
             plan, generation = _turn_inputs(tokenizer, first=t == 0)
-            await sessions.record(session, plan, generation, f"c{i}-{t}", f"h{i}-{t}", reply)
+            reply = RecordedReply(
+                f"c{i}-{t}", 0, "tiny", ParsedReply("ok"), "stop", len(plan.ids), len(generation.token_ids)
+            )
+            await sessions.record(session, plan, generation, f"h{i}-{t}", reply)
             tokens += len(plan.new_ids) + len(generation.token_ids)
     gc.collect()
     open_bytes = tracemalloc.get_traced_memory()[0] - before
@@ -96,7 +98,7 @@ async def _write_rate(tokenizer: Tokenizer, durable: bool, turns: int, writers: 
     if not durable:
         await store._run(store.db.execute, "PRAGMA synchronous=OFF")
     plan, generation = _turn_inputs(tokenizer, first=True)
-    reply = {"id": "chatcmpl-x", "choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+    reply = RecordedReply("c", 0, "tiny", ParsedReply("ok"), "stop", len(plan.ids), len(generation.token_ids))
     await Sessions(store, tokenizer, "tiny").create("s")  # the turns' session row
     counter = iter(range(turns))
 

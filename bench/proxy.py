@@ -21,7 +21,20 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import HOME, OUT, PYTHON, ROOT, Child, Section, median, ms, ratio, table, tiny_model
+from bench.common import (
+    HOME,
+    OUT,
+    PYTHON,
+    ROOT,
+    Child,
+    Section,
+    median,
+    ms,
+    proxy_server,
+    ratio,
+    table,
+    tiny_model,
+)
 from molt_proxy.launcher import free_port
 
 REPLY = "Sure - here is a short answer, with one new fact about the topic."
@@ -137,13 +150,7 @@ def run(quick: bool = False) -> Section:
         db = OUT / "proxy-bench.db"
         for path in OUT.glob("proxy-bench.db*"):
             path.unlink()
-        port = free_port()
-        molt = Child(
-            "molt-proxy",
-            [PYTHON, "-m", "molt_proxy", "serve", "--model", str(model), "--upstream", mock.url]
-            + ["--port", str(port), "--db", str(db)],
-            f"http://127.0.0.1:{port}",
-        )
+        molt = proxy_server("molt-proxy", model, mock.url, db)
         children.append(molt.start())
         frontends.append(Frontend("molt-proxy", molt.url))
         if LITELLM.exists():

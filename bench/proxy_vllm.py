@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from bench.common import OUT, PYTHON, Child, Section, median, ms, ratio, table, tiny_model
+from bench.common import OUT, Section, median, ms, proxy_server, ratio, table, tiny_model
 from bench.proxy import Frontend, loadgen, warm
-from molt_proxy.launcher import VLLMServer, free_port
+from molt_proxy.launcher import VLLMServer
 
 
 def run(quick: bool = False) -> Section:
@@ -31,15 +31,9 @@ def run(quick: bool = False) -> Section:
     extra = ["--model", str(model), "--extra", json.dumps({"ignore_eos": True}), "--max-tokens", "16"]
     results: dict[tuple[str, int], list[dict]] = {}
     with VLLMServer(str(model), max_model_len=2048, log_path=OUT / "logs" / "vllm-proxy-bench.log") as vllm:
-        port = free_port()
         for path in OUT.glob("proxy-vllm-bench.db*"):
             path.unlink()
-        proxy = Child(
-            "molt-proxy-vllm",
-            [PYTHON, "-m", "molt_proxy", "serve", "--model", str(model), "--upstream", vllm.url]
-            + ["--port", str(port), "--db", str(OUT / "proxy-vllm-bench.db")],
-            f"http://127.0.0.1:{port}",
-        )
+        proxy = proxy_server("molt-proxy-vllm", model, vllm.url, OUT / "proxy-vllm-bench.db")
         with proxy:
             targets = [Frontend("vLLM direct", vllm.url), Frontend("through molt-proxy", proxy.url)]
             for target in targets:

@@ -21,8 +21,8 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common import OUT, PYTHON, Child, Section, median, ms, percentile, table, tiny_model
-from molt_proxy.launcher import VLLMServer, free_port
+from bench.common import OUT, Section, median, ms, percentile, proxy_server, table, tiny_model
+from molt_proxy.launcher import VLLMServer
 
 
 def perturbed_weights(base: Path, out: Path, version: int) -> Path:
@@ -119,13 +119,7 @@ def run(quick: bool = False) -> Section:
     for path in OUT.glob("refresh-bench.db*"):
         path.unlink()
     with VLLMServer(str(model), max_model_len=256, log_path=OUT / "logs" / "vllm-refresh-bench.log") as vllm:
-        port = free_port()
-        proxy = Child(
-            "molt-proxy-refresh",
-            [PYTHON, "-m", "molt_proxy", "serve", "--model", str(model), "--upstream", vllm.url]
-            + ["--port", str(port), "--db", str(OUT / "refresh-bench.db")],
-            f"http://127.0.0.1:{port}",
-        )
+        proxy = proxy_server("molt-proxy-refresh", model, vllm.url, OUT / "refresh-bench.db")
         with proxy:
             idle = [refresh(proxy.url, folders[v - 1], v) for v in range(1, count + 1)]
             loaded: list[tuple[float, float]] = []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import OUT, PYTHON, Child, Section, median, ms, percentile, table, tiny_model
+from bench.common import OUT, PYTHON, Child, Section, median, ms, percentile, proxy_server, table, tiny_model
 from bench.proxy import mock_reply
 from molt_proxy.launcher import free_port
 
@@ -99,7 +99,7 @@ def rss_mb(pid: int) -> float:
 
 
 def one_context(model: Path, text: str, ids: list[int], context: int, sizes: tuple[int, ...], repeats: int):
-    mock_port, port = free_port(), free_port()
+    mock_port = free_port()
     mock = Child(
         f"stall-mock-{context}",
         [PYTHON, "-m", "bench.mock_upstream", "--port", str(mock_port), "--reply-text", text]
@@ -109,12 +109,7 @@ def one_context(model: Path, text: str, ids: list[int], context: int, sizes: tup
     db = OUT / f"stall-{context}.db"
     for path in OUT.glob(f"stall-{context}.db*"):
         path.unlink()
-    proxy = Child(
-        f"stall-proxy-{context}",
-        [PYTHON, "-m", "molt_proxy", "serve", "--model", str(model), "--upstream", mock.url]
-        + ["--port", str(port), "--db", str(db)],
-        f"http://127.0.0.1:{port}",
-    )
+    proxy = proxy_server(f"stall-proxy-{context}", model, mock.url, db)
     rows = []
     with mock, proxy:
         probe(proxy.url, f"warm-{context}", count=20)

@@ -26,18 +26,17 @@ import json
 import random
 import sqlite3
 import struct
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import OUT, Section, ratio, table, tiny_model
-from molt_proxy.parsing import ParsedReply
 from molt_proxy.sessions import Sessions
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation, SessionStatus, Trajectory
-from molt_proxy.wire.openai import encode_reply
+from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus, Trajectory
 
 TURNS = 5
 ISSUE_BYTES_PER_TOKEN = 67.5
@@ -138,17 +137,17 @@ async def _soak(tokenizer: Tokenizer, turns: Turns, n: int, name: str) -> dict[s
             plan, sampled = turns(rng, i, t, sessions)
             logprobs = [_float32(-rng.expovariate(2.0)) for _ in sampled]
             generation = Generation(sampled, logprobs, [t // 2] * len(sampled), "stop")
-            reply = encode_reply(  # the reply body the proxy keeps for an idempotent retry
+            reply = RecordedReply(  # what the proxy keeps for an idempotent retry
                 completion_id=f"chatcmpl-{uuid.UUID(int=rng.getrandbits(128)).hex}",
+                created=int(time.time()),
                 model="tiny",
-                reply=ParsedReply(tokenizer.decode(sampled, skip_special_tokens=True)),
+                message=ParsedReply(tokenizer.decode(sampled, skip_special_tokens=True)),
                 finish_reason="stop",
                 prompt_tokens=len(session.open_segment or []) + len(plan.new_ids),
                 completion_tokens=len(sampled),
-                session_id=session.id,
             )
             request_hash = hashlib.sha256(f"{i}-{t}".encode()).hexdigest()
-            await sessions.record(session, plan, generation, reply["id"], request_hash, reply)
+            await sessions.record(session, plan, generation, request_hash, reply)
     await store._run(_backup, store.db, copy)
     trajectories: list[Trajectory] = []
     for i in range(n):

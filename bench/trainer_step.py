@@ -24,7 +24,7 @@ from bench.common import OUT, Section, median, ratio, table, tiny_model
 from molt_proxy.types import NOT_SAMPLED, Sampling, SessionStatus, Trajectory, Turn
 from trainer import checkpoint
 from trainer.batch import Batch, collate
-from trainer.loss import LossConfig
+from trainer.config import LossConfig
 from trainer.policy import Policy
 
 

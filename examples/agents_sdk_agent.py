@@ -14,17 +14,9 @@ from typing import Any
 
 import httpx
 from agents import Agent, FunctionTool, ModelSettings, RunConfig, Runner
-from molt_stack import (
-    AGENTS_SDK_WEATHER_TOOL,
-    QUESTIONS,
-    SYSTEM_PROMPT,
-    build_agents_sdk_model,
-    get_weather,
-    print_record,
-    running_proxy,
-    tiny_model,
-)
+from molt_stack import QUESTIONS, SYSTEM_PROMPT, get_weather, print_record, running_proxy, tiny_model
 
+from devtools import AGENTS_SDK_WEATHER_TOOL, build_agents_sdk_model
 from integrations.agents_sdk import run_config
 from integrations.session import amolt_session
 

@@ -16,9 +16,9 @@ from langchain_core.tools import StructuredTool
 from langgraph.prebuilt import create_react_agent
 from molt_stack import QUESTIONS, SYSTEM_PROMPT, get_weather, print_record, running_proxy, tiny_model
 
+from devtools import WEATHER_TOOL
 from integrations.langchain_chat import chat_model
 from integrations.session import molt_session
-from molt_proxy.tinymodel import WEATHER_TOOL
 
 RUN = Path("runs/langgraph")
 

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,16 +22,9 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from molt_proxy.launcher import free_port, wait_healthy
-from molt_proxy.tinymodel import build_tiny_model
+from devtools import PROMPTS, build_tiny_model, digit_share
+from molt_proxy.launcher import ProxyServer
 from trainer.metrics import read
-
-PROMPTS = ["Write a number.", "Give me some digits.", "Count for me.", "What is your favourite number?"]
-
-
-def digit_share(text: str) -> float:
-    """The reward: which share of the reply's characters are digits (0 for an empty reply)."""
-    return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
 
 
 class Agents:
@@ -102,36 +92,32 @@ def main() -> None:
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     model = build_tiny_model(out / "model", "qwen3", fallback_tokenizer=True, teach=False, seed=args.seed)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "molt_proxy", "serve", "--model", str(model), "--port", str(port),
-        "--db", str(out / "molt-proxy.db"), "--max-model-len", "256", "--train",
+    flags = [
+        "--max-model-len", "256", "--train",
         "--train-out", str(out / "train"), "--max-steps", str(args.steps), "--lr", str(args.lr),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--group-timeout", "30", "--seed", str(args.seed),
     ]  # fmt: skip
+    server = ProxyServer(model, db=out / "molt-proxy.db", args=flags)
     print("starting vLLM, molt-proxy and the Ray trainer ...", flush=True)
-    server = subprocess.Popen(command, start_new_session=True)
+    server.spawn()
     metrics = out / "train" / "metrics.jsonl"
     # The trainer is done once it drew its reward curve: every step taken or skipped (a solved
     # batch, all rewards equal, is skipped and writes no metrics line).
     curve = out / "train" / "reward_curve.png"
-    agents = Agents(url, args.agents, args.group_size, curve.exists)
+    agents = Agents(server.url, args.agents, args.group_size, curve.exists)
     try:
-        wait_healthy(url, server, 600, what="molt-proxy")
-        wait_for_trainer(url, server)
+        server.wait(timeout_s=600)
+        wait_for_trainer(server)
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
-        while server.poll() is None and not curve.exists():
+        while server.returncode is None and not curve.exists():
             time.sleep(0.2)
         agents.join()
-        server.wait()
+        server.process.wait()
     finally:
         agents.join()
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
+        server.stop()
     records = read(metrics)
     quarter = max(1, len(records) // 4)
     first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
@@ -142,13 +128,13 @@ def main() -> None:
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
 
 
-def wait_for_trainer(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_for_trainer(server: ProxyServer, timeout_s: float = 600) -> None:
     """Until the trainer has pushed its weights (version 0) into vLLM. Episodes sampled before
     it starts would pile up at version 0 and arrive more than `--max-staleness` versions old:
     steps spent on them would teach nothing."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and server.poll() is None:
-        replicas = httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+    while time.monotonic() < deadline and server.returncode is None:
+        replicas = httpx.get(f"{server.url}/health", timeout=10).json()["replicas"]
         if all(r["weight_version"] is not None for r in replicas):
             return
         time.sleep(0.5)

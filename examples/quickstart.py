@@ -6,9 +6,6 @@ and molt-proxy, run an unchanged agent through it, reward it, and show its exact
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +15,9 @@ from openai import OpenAI
 sys.path.insert(0, str(Path(__file__).parent))
 from weather_agent import run_agent  # noqa: E402
 
+from devtools import build_tiny_model  # noqa: E402
 from molt_proxy.export import export  # noqa: E402
-from molt_proxy.launcher import free_port, wait_healthy  # noqa: E402
-from molt_proxy.tinymodel import build_tiny_model  # noqa: E402
+from molt_proxy.launcher import ProxyServer  # noqa: E402
 
 RUN = Path("runs/quickstart")
 
@@ -34,16 +31,10 @@ def main() -> None:
     db = RUN / "molt-proxy.db"
     for stale in RUN.glob("molt-proxy.db*"):
         stale.unlink()
-    port = free_port()
     print("starting vLLM (CPU) and molt-proxy ...")
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "molt_proxy", "serve", "--model", str(model), "--port", str(port),
-         "--db", str(db), "--tool-call-parser", "hermes", "--max-model-len", "2048"],
-        start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proxy = ProxyServer(model, db=db, args=["--tool-call-parser", "hermes", "--max-model-len", "2048"])
     try:
-        wait_healthy(url, proxy, 600, what="molt-proxy")
+        url = proxy.start(timeout_s=600).url
         session = httpx.post(f"{url}/v1/sessions", json={"group_id": "weather"}).json()
         print(f"\nsession {session['session_id']}: agent base_url = {session['base_url']}\n")
         run_agent(OpenAI(base_url=session["base_url"], api_key="unused"), model="tiny-qwen3")
@@ -57,8 +48,7 @@ def main() -> None:
             f"reward {trajectory['reward']}, segments in the episode: {len(reward.json()['trajectories'])}"
         )
     finally:
-        os.killpg(proxy.pid, signal.SIGTERM)
-        proxy.wait(timeout=60)
+        proxy.stop()
     out = RUN / "trajectories.jsonl"
     export(db, out, "jsonl")
     print(f"store: {db}\nexport: {out}")

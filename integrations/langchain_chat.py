@@ -2,9 +2,8 @@
 
 `ChatOpenAI` speaks Chat Completions to any `base_url`; pointing it at the session's URL with
 the session key is all it takes, and every LangChain or LangGraph agent built on the model
-(`create_react_agent(chat_model(s), tools)`) is recorded unchanged. Streaming (even under
-LangGraph's `stream_mode="messages"`) and the Responses API are off: the proxy records
-non-streaming Chat Completions.
+(`create_react_agent(chat_model(s), tools)`) is recorded unchanged, streamed or not (LangGraph's
+`stream_mode="messages"` streams). The Responses API is off: the proxy serves Chat Completions.
 """
 
 from __future__ import annotations
@@ -25,6 +24,5 @@ def chat_model(session: MoltSession, model: str = "default", **kwargs: Any) -> C
         api_key=session.api_key,
         model=model,
         use_responses_api=False,
-        disable_streaming=True,
         **kwargs,
     )

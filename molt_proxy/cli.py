@@ -9,6 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
+from molt_proxy.config import Settings, default
+from trainer.config import add_arguments as add_trainer_arguments
+
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
     """uvicorn re-raises the SIGTERM it shut down on; with the default handler that would kill
@@ -23,7 +26,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from molt_proxy.app import create_app
     from molt_proxy.auth import load_keys
-    from molt_proxy.config import Settings
     from molt_proxy.launcher import Supervisor, VLLMServer
 
     admin_key, agent_keys = load_keys(
@@ -116,9 +118,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
-    from molt_proxy.tinymodel import build_tiny_model
+    from devtools import build_tiny_model  # dev tooling: installed beside, never imported by serving
 
-    print(build_tiny_model(args.out, args.arch))
+    print(build_tiny_model(args.out, args.arch, tokenizer_dir=args.tokenizer_dir))
     return 0
 
 
@@ -132,6 +134,8 @@ def _sampling_pins(spec: str) -> dict[str, float | int]:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The whole command line. `serve`'s trainer flags come from `trainer.config`, which imports
+    no torch: help is quick, and the trainer itself is imported only for `--train`."""
     root = argparse.ArgumentParser(prog="molt-proxy", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
 
@@ -148,21 +152,21 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--replicas",
         type=int,
-        default=1,
+        default=default(Settings, "replicas"),
         metavar="K",
         help="without --upstream: launch K vLLM servers, each on its own port",
     )
     serve.add_argument(
         "--health-interval",
         type=float,
-        default=5.0,
+        default=default(Settings, "health_interval_s"),
         metavar="S",
         help="seconds between replica health probes",
     )
     serve.add_argument(
         "--health-timeout",
         type=float,
-        default=10.0,
+        default=default(Settings, "health_timeout_s"),
         metavar="S",
         help="a replica whose /health does not answer within S seconds is taken out "
         "(one that serve launched is killed and relaunched)",
@@ -170,13 +174,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-restarts",
         type=int,
-        default=5,
+        default=default(Settings, "max_restarts"),
         metavar="N",
         help="relaunch a vLLM that serve launched at most N times in 10 minutes; then it stays down",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--db", default="molt-proxy.db", help="SQLite store path")
+    serve.add_argument("--host", default=default(Settings, "host"))
+    serve.add_argument("--port", type=int, default=default(Settings, "port"))
+    serve.add_argument("--db", default=default(Settings, "db_path"), help="SQLite store path")
     serve.add_argument("--tool-call-parser", help="vLLM tool parser name, as in `vllm serve`")
     serve.add_argument("--reasoning-parser", help="vLLM reasoning parser name, as in `vllm serve`")
     serve.add_argument("--max-model-len", type=int, help="passed to the vLLM it launches")
@@ -200,18 +204,18 @@ def parser() -> argparse.ArgumentParser:
         " (also $MOLT_PROXY_AGENT_KEYS, comma-separated)",
     )
     serve.add_argument("--agent-keys-file", type=Path, metavar="PATH", help="agent keys, one a line")
-    serve.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--max-request-bytes", type=int, default=default(Settings, "max_request_bytes"))
     serve.add_argument(
         "--session-ttl",
         type=float,
-        default=3600.0,
+        default=default(Settings, "session_ttl_s"),
         metavar="SECONDS",
         help="close a session with no turn for this long, unrewarded",
     )
     serve.add_argument(
         "--sampling",
         type=_sampling_pins,
-        default={},
+        default=default(Settings, "sampling"),
         metavar="NAME=VALUE,...",
         help="pin sampling fields for every turn, whatever agents send (e.g. temperature=1,top_p=1): "
         "on-policy samples for training; each turn's record lists the fields pinned",
@@ -224,13 +228,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--train", action="store_true", help="also run the trainer (a Ray actor) on this machine"
     )
-    from trainer.config import add_arguments
-
-    add_arguments(serve)
+    add_trainer_arguments(serve)
     serve.set_defaults(run=_serve)
 
     exp = commands.add_parser("export", help="write finalized trajectories to JSONL or Parquet")
-    exp.add_argument("--db", default="molt-proxy.db")
+    exp.add_argument("--db", default=default(Settings, "db_path"))
     exp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     exp.add_argument("--out", required=True)
     exp.set_defaults(run=_export)
@@ -238,6 +240,13 @@ def parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("build-tiny-model", help="build a tiny local model for demos and tests")
     tiny.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")
     tiny.add_argument("--out", required=True)
+    tiny.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        metavar="PATH",
+        help="the real tokenizer to use (default: the arch's folder under $MOLT_PROXY_TOKENIZERS,"
+        " else ../shared/tokenizers beside the checkout; none found: a small BPE trained here)",
+    )
     tiny.set_defaults(run=_build_tiny_model)
     return root
 

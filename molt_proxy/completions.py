@@ -1,7 +1,10 @@
-"""One chat completion, end to end: render → session → stitch → generate → parse → record → reply.
+"""One chat turn, end to end: render → session → stitch → generate → parse → record → reply.
 
 This is the data path of DESIGN §2; everything it calls is pure or owned by one module.
-A turn runs under its session's lock, so a session's turns never interleave.
+A turn runs inside `Sessions.turn`, under its session's lock, so a session's turns never
+interleave. The whole and the streamed reply share their opening (`_turn`: render, hash,
+session) and their closing (`_finish`: the reply recorded in neutral form). What comes out is
+in no wire format (`wire/events.py`): the route encodes it.
 
 Streaming sends deltas as vLLM samples ids and records the turn once vLLM has finished, just
 before the last chunk goes out. A client that disconnects earlier cancels the stream: vLLM
@@ -14,27 +17,24 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from molt_proxy.auth import Principal
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
-from molt_proxy.sessions import Session, Sessions, request_hash
+from molt_proxy.session import Caller
+from molt_proxy.sessions import OpenTurn, Sessions, request_hash
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation, Sampling, Segment
+from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment
+from molt_proxy.wire.events import Answer, Closed, Delta, Opened, Replayed, StreamEvent
 from molt_proxy.wire.openai import (
     ChatCall,
-    delta_fields,
     echoed_call_ids,
-    encode_chunk,
-    encode_reply,
-    include_usage,
-    reply_as_delta,
     requested_max_tokens,
     sampling_fields,
     template_kwargs,
@@ -47,14 +47,15 @@ more than the work. The tokenizer releases the GIL while it encodes."""
 
 
 @dataclass(slots=True, frozen=True)
-class Caller:
-    """Who sent a request: the session id and key it named, if any, its group header, and who
-    its key says it is (`auth.py`)."""
+class Prepared:
+    """A turn ready to sample: the exact prompt ids, the served model and the sampling."""
 
-    session_id: str | None
-    api_key: str | None
-    group_id: str | None
-    principal: Principal
+    plan: PromptPlan
+    model_id: str
+    fields: dict[str, Any]
+    """The sampling fields sent to vLLM (pinned and normalised)."""
+    applied: Sampling
+    """Their record, kept on the turn for the trainer."""
 
 
 class Completions:
@@ -76,116 +77,99 @@ class Completions:
         self.sampling_pins = dict(sampling_pins or {})
         """Sampling fields that override what agents send (`Settings.sampling`)."""
 
-    async def _begin(self, caller: Caller, call: ChatCall, body: bytes) -> tuple[str, str, Session]:
-        """Render the request, hash it (for retries) and take its session, locked: the opening
-        every turn shares. The caller releases `session.lock`."""
-        rendered = await self._render(call, body)
-        session = await self.sessions.acquire(
-            caller.session_id,
-            caller.api_key,
-            caller.group_id,
-            rendered.encode(),
-            echoed_call_ids(call),
-            caller.principal,
-        )
-        return rendered, request_hash(body), session
-
-    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> dict[str, Any]:
-        rendered, body_hash, session = await self._begin(caller, call, body)
-        try:
-            if body_hash == session.last_request_hash and session.last_reply is not None:
-                return session.last_reply  # a retry of the request just answered
-            plan = await self._plan(session.open_segment, rendered, body)
-            model_id, sampling, applied = await self._sampling(call, plan)
+    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> Answer:
+        async with self._turn(caller, call, body) as (turn, rendered):
+            if turn.replay is not None:
+                return Answer(turn.replay, turn.session.id)  # a retry of the request just answered
+            prepared = await self._prepare(turn, rendered, call, body)
+            plan = prepared.plan
             generation = await self.replicas.generate(
-                session.id, plan.ids, sampling, return_prompt_ids=self.verify_prompt_ids
+                turn.session.id, plan.ids, prepared.fields, return_prompt_ids=self.verify_prompt_ids
             )
             if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
                 raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
-            reply, finish_reason = self.parser.parse(
+            message = self.parser.parse(
                 generation.token_ids, generation.finish_reason, call.request, plan.ids
             )
-            body_out = encode_reply(
-                completion_id=_new_completion_id(),
-                model=model_id,
-                reply=reply,
-                finish_reason=finish_reason,
-                prompt_tokens=len(plan.ids),
-                completion_tokens=len(generation.token_ids),
-                session_id=session.id,
+            reply = await self._finish(
+                turn, prepared, generation, message, _new_completion_id(), int(time.time())
             )
-            await self.sessions.record(
-                session, plan, generation, body_out["id"], body_hash, body_out, sampling=applied
-            )
-            return body_out
-        finally:
-            session.lock.release()
+            return Answer(reply, turn.session.id)
 
-    async def stream(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncIterator[str]:
-        """Server-sent events for a `stream: true` request.
+    async def stream(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncGenerator[StreamEvent]:
+        """The events of a streamed turn (`wire/events.py`).
 
         Everything that can fail before vLLM answers (the render, the session, the context
         length, an unreachable vLLM) fails before the first event, so the caller can send a
         plain error response: the first event goes out only once vLLM has sampled.
         """
-        rendered, body_hash, session = await self._begin(caller, call, body)
-        try:
-            if body_hash == session.last_request_hash and session.last_reply is not None:
-                for event in _replay(session.last_reply, include_usage(call.request)):
-                    yield event
+        async with self._turn(caller, call, body) as (turn, rendered):
+            if turn.replay is not None:
+                yield Replayed(turn.replay, turn.session.id)
                 return
-            plan = await self._plan(session.open_segment, rendered, body)
-            model_id, sampling, applied = await self._sampling(call, plan)
+            prepared = await self._prepare(turn, rendered, call, body)
             completion_id, created = _new_completion_id(), int(time.time())
-
-            def event(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
-                return encode_chunk(
-                    completion_id=completion_id,
-                    created=created,
-                    model=model_id,
-                    session_id=session.id,
-                    delta=delta,
-                    finish_reason=finish_reason,
-                    **extra,
-                )
-
-            reply_stream = self.parser.stream(call.request, plan.ids)
+            reply_stream = self.parser.stream(call.request, prepared.plan.ids)
             generation: Generation | None = None
             started = False
-            async for item in self.replicas.stream(session.id, plan.ids, sampling):
-                if not started:
-                    started = True
-                    yield event({"role": "assistant", "content": ""})
-                if isinstance(item, Generation):
-                    generation = item
-                    break
-                delta = reply_stream.feed(item.token_ids)
-                if delta is not None and (fields := delta_fields(delta)):
-                    yield event(fields)
-            assert generation is not None
+            # Closed here, not when collected: the replica's in-flight slot is freed at once.
+            items = self.replicas.stream(turn.session.id, prepared.plan.ids, prepared.fields)
+            async with aclosing(items):
+                async for item in items:
+                    if not started:
+                        started = True
+                        yield Opened(completion_id, created, prepared.model_id, turn.session.id)
+                    if isinstance(item, Generation):
+                        generation = item
+                        break
+                    delta = reply_stream.feed(item.token_ids)
+                    if delta is not None:
+                        yield Delta(delta)
+            if generation is None:
+                raise UpstreamError("vLLM's stream ended without its final result")
             last = reply_stream.finish(generation.finish_reason)
-            reply = reply_stream.reply
-            finish_reason = generation.finish_reason
-            if reply.tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-            body_out = encode_reply(
-                completion_id=completion_id,
-                model=model_id,
-                reply=reply,
-                finish_reason=finish_reason,
-                prompt_tokens=len(plan.ids),
-                completion_tokens=len(generation.token_ids),
-                session_id=session.id,
-            )
-            await self.sessions.record(
-                session, plan, generation, completion_id, body_hash, body_out, sampling=applied
-            )
-            yield event(delta_fields(last) if last is not None else {}, finish_reason)
-            if include_usage(call.request):
-                yield event(None, usage=body_out["usage"])
-            yield "data: [DONE]\n\n"
-        finally:
-            session.lock.release()
+            reply = await self._finish(turn, prepared, generation, reply_stream.reply, completion_id, created)
+            yield Closed(reply, last)
+
+    @asynccontextmanager
+    async def _turn(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncIterator[tuple[OpenTurn, str]]:
+        """The opening every turn shares: render the request, hash it (for retries) and open
+        its session's turn, which the end of the block closes. Yields the turn and the render."""
+        rendered = await self._render(call, body)
+        call_ids = echoed_call_ids(call)
+        async with self.sessions.turn(caller, rendered.encode(), call_ids, request_hash(body)) as turn:
+            yield turn, rendered
+
+    async def _prepare(self, turn: OpenTurn, rendered: str, call: ChatCall, body: bytes) -> Prepared:
+        """The prompt ids (continuing the open segment or not), the model and the sampling."""
+        plan = await self._plan(turn.session.open_segment, rendered, body)
+        model = await self.replicas.model()
+        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
+        fields, applied = effective_sampling(sampling_fields(call.request, max_tokens), self.sampling_pins)
+        return Prepared(plan, model.id, fields, applied)
+
+    async def _finish(
+        self,
+        turn: OpenTurn,
+        prepared: Prepared,
+        generation: Generation,
+        message: ParsedReply,
+        completion_id: str,
+        created: int,
+    ) -> RecordedReply:
+        """The closing every turn shares: the reply in neutral form, recorded with the turn
+        (a retry of this request is answered from it)."""
+        reply = RecordedReply(
+            completion_id=completion_id,
+            created=created,
+            model=prepared.model_id,
+            message=message,
+            finish_reason=generation.finish_reason,
+            prompt_tokens=len(prepared.plan.ids),
+            completion_tokens=len(generation.token_ids),
+        )
+        await turn.record(prepared.plan, generation, reply, prepared.applied)
+        return reply
 
     async def _render(self, call: ChatCall, body: bytes) -> str:
         """The prompt text. A large request renders in a worker thread, and one that cannot
@@ -214,30 +198,9 @@ class Completions:
             return plan_prompt(segment, rendered, self.tokenizer)
         return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
 
-    async def _sampling(self, call: ChatCall, plan: PromptPlan) -> tuple[str, dict[str, Any], Sampling]:
-        """The model id, the sampling fields to send (pinned and normalised) and their record."""
-        model = await self.replicas.model()
-        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
-        fields, applied = effective_sampling(sampling_fields(call.request, max_tokens), self.sampling_pins)
-        return model.id, fields, applied
-
 
 def _new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def _replay(reply: dict[str, Any], with_usage: bool) -> list[str]:
-    common = {
-        "completion_id": reply["id"],
-        "created": reply["created"],
-        "model": reply["model"],
-        "session_id": reply["session_id"],
-    }
-    finish_reason = reply["choices"][0]["finish_reason"]
-    events = [encode_chunk(**common, delta=reply_as_delta(reply), finish_reason=finish_reason)]
-    if with_usage:
-        events.append(encode_chunk(**common, delta=None, usage=reply["usage"]))
-    return [*events, "data: [DONE]\n\n"]
 
 
 def _max_tokens(max_model_len: int, prompt_len: int, requested: int | None) -> int:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from molt_proxy.sampling import check_pins
 
@@ -68,3 +69,10 @@ class Settings:
             raise ValueError("agent keys need an admin key: without one every route is open")
         check_pins(self.sampling)
         self.db_path = Path(self.db_path)
+
+
+def default(cls: type, name: str) -> Any:
+    """The default of field `name` of dataclass `cls`: the CLI's flags take their defaults
+    from here, so that each default is written once, on its field."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default

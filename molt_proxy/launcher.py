@@ -1,4 +1,7 @@
-"""Start and stop the vLLM servers the proxy launches itself (`serve --model`).
+"""Start and stop servers as child processes: the vLLM servers the proxy launches itself
+(`serve` without `--upstream`), and `molt-proxy serve` itself for examples, tests and
+benchmarks (`ProxyServer`). Both are a `ServerProcess`: its own process group, a health
+route to wait for, SIGTERM then SIGKILL of the whole group.
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
 fails for the CPU distribution, DESIGN §9), in its own process group so that shutdown
@@ -13,6 +16,7 @@ replica's URL stays) with bounded restarts and exponential back-off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -21,9 +25,10 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -36,14 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str) -> None:
-    """Poll `url`/health until it answers 200; fail early if `process` exits first."""
+def wait_healthy(
+    url: str, process: subprocess.Popen, timeout_s: float, *, what: str, path: str = "/health"
+) -> None:
+    """Poll `url` + `path` until it answers 200; fail early if `process` exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with code {process.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -94,8 +101,105 @@ def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: lis
     return command + extra
 
 
-class VLLMServer:
-    """One vLLM server child process."""
+class ServerProcess:
+    """A server as a child process in its own session, so that stopping it stops whatever it
+    started as well (vLLM's engine workers, a benchmark's LiteLLM workers). Its output goes
+    to `log_path` (appended: a relaunch keeps the earlier run's lines), or with None to this
+    process's own stdout and stderr."""
+
+    name = "server"
+    boot_timeout_s = 120.0
+    stop_timeout_s = 20.0
+    """After SIGTERM, how long to wait before SIGKILL."""
+
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        *,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        health: str = "/health",
+    ):
+        self.command, self.url, self.log_path = command, url, log_path
+        self.env, self.cwd, self.health = env or {}, cwd, health
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float | None = None) -> Self:
+        return self.spawn().wait(timeout_s)
+
+    def spawn(self) -> Self:
+        """Start the process without waiting, so several servers can boot at once."""
+        env = {**os.environ, **self.env}
+        # The child has its own copy of the log's descriptor: close ours at once, so that a
+        # relaunch does not leak one per restart.
+        with open(self.log_path, "ab") if self.log_path else contextlib.nullcontext(None) as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=env,
+                cwd=self.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                start_new_session=True,
+            )
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> Self:
+        """Wait until the spawned server answers its health route; stop it if it never does."""
+        if self.process is None:
+            raise RuntimeError("spawn() first")
+        what = f"{self.name} (log: {self.log_path or 'stdout'})"
+        try:
+            wait_healthy(
+                self.url, self.process, timeout_s or self.boot_timeout_s, what=what, path=self.health
+            )
+        except (RuntimeError, TimeoutError):
+            self.stop()  # an exited server's workers may outlive it
+            raise
+        return self
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process has exited (and is reaped: no `<defunct>` left)."""
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> None:
+        """SIGTERM the process group, wait `stop_timeout_s` for the server, then `kill`."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group id is its pid
+            try:
+                self.process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group and reap the server. Also after the server itself
+        exited: its workers may outlive it, holding gigabytes, or a stopped (SIGSTOP) server
+        would never act on a gentler signal."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole group is gone already
+        self.process.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class VLLMServer(ServerProcess):
+    """One vLLM server child process (output discarded without a `log_path`)."""
+
+    name = "vLLM"
+    boot_timeout_s = 300.0
 
     def __init__(
         self,
@@ -107,71 +211,46 @@ class VLLMServer:
         log_path: Path | None = None,
     ):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = vllm_command(model, self.port, max_model_len=max_model_len, extra=extra_args or [])
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+        super().__init__(
+            vllm_command(model, self.port, max_model_len=max_model_len, extra=extra_args or []),
+            f"http://127.0.0.1:{self.port}",
+            log_path=log_path or Path(os.devnull),
+            env=env,
+        )
 
-    def start(self, timeout_s: float = 300.0) -> VLLMServer:
-        return self.spawn().wait(timeout_s)
 
-    def spawn(self) -> VLLMServer:
-        """Start the process without waiting, so several replicas can boot at once."""
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self.process = subprocess.Popen(
-                self.command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()  # the child has its own copy; a relaunch must not leak one per restart
-        return self
+class ProxyServer(ServerProcess):
+    """`molt-proxy serve` as a child process, for examples, tests and benchmarks. Without
+    `upstreams` it launches vLLM itself (give `start` the minutes that takes). SIGTERM makes
+    `serve` stop the vLLM servers it launched before it exits; `kill` (a kill -9) does not."""
 
-    def wait(self, timeout_s: float = 300.0) -> VLLMServer:
-        """Wait until the spawned server answers /health (stop it if it never does)."""
-        assert self.process is not None, "spawn() first"
-        try:
-            wait_healthy(self.url, self.process, timeout_s, what=f"vLLM (log: {self.log_path})")
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+    name = "molt-proxy"
+    stop_timeout_s = 60.0
 
-    @property
-    def returncode(self) -> int | None:
-        """The exit code once the process has exited (and is reaped: no `<defunct>` left)."""
-        return None if self.process is None else self.process.poll()
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        upstreams: Sequence[str] = (),
+        port: int | None = None,
+        db: Path | None = None,
+        args: Sequence[str] = (),
+        log_path: Path | None = None,
+        cwd: Path | None = None,
+    ):
+        self.port = port or free_port()
+        command = [sys.executable, "-m", "molt_proxy", "serve", "--model", str(model)]
+        command += [flag for url in upstreams for flag in ("--upstream", url)]
+        command += ["--port", str(self.port), *(["--db", str(db)] if db else []), *args]
+        super().__init__(command, f"http://127.0.0.1:{self.port}", log_path=log_path, cwd=cwd)
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group id is its pid
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group and reap the server. Also after the server itself
-        exited: its engine workers may outlive it, holding gigabytes, or a stopped (SIGSTOP)
-        server would never act on a gentler signal."""
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # the whole group is gone already
-        self.process.wait()
-
-    def __enter__(self) -> VLLMServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def base_url(self, session: str | None = None) -> str:
+        """The OpenAI base URL for agents: the session's own, or the shared one."""
+        return f"{self.url}/s/{session}/v1" if session else f"{self.url}/v1"
 
 
 class ProcessState(StrEnum):

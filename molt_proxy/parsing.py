@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import codecs
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -24,15 +23,9 @@ from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
 
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.types import ParsedReply
 
 _decoder = json.JSONDecoder()
-
-
-@dataclass(slots=True)
-class ParsedReply:
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def sampled_json_text(text: str, value: Any, start: int = 0) -> tuple[str, int] | None:
@@ -74,8 +67,8 @@ class ReplyParser:
         finish_reason: str,
         request: ChatCompletionRequest,
         prompt_ids: list[int],
-    ) -> tuple[ParsedReply, str]:
-        """The reply message and the OpenAI `finish_reason` for it."""
+    ) -> ParsedReply:
+        """The reply message. `finish_reason` (vLLM's) says whether a trailing stop id ends it."""
         ids = sampled_ids
         if finish_reason == "stop" and ids and ids[-1] in self.stop_ids | set(request.stop_token_ids or []):
             ids = ids[:-1]
@@ -94,9 +87,7 @@ class ReplyParser:
             if extracted.tools_called:
                 reply.tool_calls = _exact_tool_calls(reply.content, extracted.tool_calls)
                 reply.content = extracted.content
-        if reply.tool_calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return reply, finish_reason
+        return reply
 
     def _tools_enabled(self, request: ChatCompletionRequest) -> bool:
         return self._tool_cls is not None and bool(request.tools) and request.tool_choice != "none"

@@ -21,23 +21,61 @@
   fail over. A request in flight on a hung server the proxy did not launch waits for the
   upstream timeout.
 
-`upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where.
+`upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where,
+and depends on it only through `UpstreamClient`, the methods it calls (tests route between
+in-process fakes that speak it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import aclosing, suppress
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, aclosing, suppress
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self, TypeVar
 
 from molt_proxy.errors import MoltError, UpstreamUnavailable
 from molt_proxy.types import Generation
-from molt_proxy.upstream import ModelInfo, Upstream
+from molt_proxy.upstream import ModelInfo, TokenDelta
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class UpstreamClient(Protocol):
+    """One vLLM server as the router uses it: exactly what `upstream.Upstream` offers and
+    `Replicas` calls. Open between `__aenter__` and `__aexit__`; every method raises
+    `UpstreamUnavailable` when the server cannot be reached (the one error that fails over)."""
+
+    @property
+    def base_url(self) -> str:
+        """Names the replica (in `/health`, in logs, and for its `Supervision`)."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+    ) -> Generation: ...
+
+    def stream(
+        self, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncGenerator[TokenDelta | Generation, None]:
+        """Each `TokenDelta` as it is sampled, then the whole `Generation`. A generator, so that
+        closing it early (`aclose`) ends the request on the server."""
+        ...
+
+    async def models(self) -> list[dict[str, Any]]: ...
+
+    async def model(self) -> ModelInfo: ...
+
+    async def refresh_weights(self, weights_dir: str, version: int) -> None: ...
+
+    async def healthy(self) -> bool: ...
 
 
 class Supervision(Protocol):
@@ -56,14 +94,14 @@ class Supervision(Protocol):
 class Replica:
     """One vLLM server and what the router knows about it."""
 
-    upstream: Upstream
+    upstream: UpstreamClient
     healthy: bool = False
     in_flight: int = 0
     """Requests sent through this proxy and not answered yet."""
     sessions: int = 0
     """Sessions that stick to it."""
     requests: int = 0
-    """Requests it answered (for `/health`)."""
+    """Requests it answered, or began to stream an answer to (for `/health`)."""
     weight_version: int | None = None
     """The version this proxy last loaded into it; None: the weights it booted with."""
     supervisor: Supervision | None = None
@@ -86,11 +124,11 @@ class Replica:
 
 
 class Replicas:
-    """Routes each session's requests to one of several `Upstream`s (see the module doc)."""
+    """Routes each session's requests to one of several upstreams (see the module doc)."""
 
     def __init__(
         self,
-        upstreams: Sequence[Upstream],
+        upstreams: Sequence[UpstreamClient],
         *,
         health_interval_s: float = 5.0,
         health_timeout_s: float = 10.0,
@@ -108,6 +146,7 @@ class Replicas:
         self._health_interval_s = health_interval_s
         self._health_timeout_s = health_timeout_s
         self._watcher: asyncio.Task[None] | None = None
+        self._clients = AsyncExitStack()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -120,7 +159,7 @@ class Replicas:
         """
         self._weights = weights
         for replica in self._replicas:
-            await replica.upstream.__aenter__()
+            await self._clients.enter_async_context(replica.upstream)
         await self.check_health()
         self._watcher = asyncio.create_task(self._watch(), name="molt-proxy replica health")
 
@@ -129,8 +168,7 @@ class Replicas:
             self._watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await self._watcher
-        for replica in self._replicas:
-            await replica.upstream.__aexit__()
+        await self._clients.aclose()
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -168,30 +206,27 @@ class Replicas:
         *,
         return_prompt_ids: bool = False,
     ) -> Generation:
-        """Generate on the affinity's replica; on `UpstreamUnavailable` fail over to another
-        (each replica is tried at most once per request)."""
-        tried: set[Replica] = set()
-        while True:
-            replica = self._place(affinity, tried)
-            tried.add(replica)
-            replica.in_flight += 1
-            try:
-                generation = await replica.upstream.generate(
-                    prompt_ids, sampling, return_prompt_ids=return_prompt_ids
-                )
-            except UpstreamUnavailable as exc:
-                self._mark_down(replica, exc)
-                continue
-            finally:
-                replica.in_flight -= 1
-            replica.requests += 1
-            return generation
+        """Generate on the affinity's replica, failing over as `_route` does."""
 
-    async def stream(
+        async def one(upstream: UpstreamClient) -> AsyncGenerator[Generation, None]:
+            yield await upstream.generate(prompt_ids, sampling, return_prompt_ids=return_prompt_ids)
+
+        [generation] = [item async for item in self._route(affinity, one)]
+        return generation
+
+    def stream(
         self, affinity: str, prompt_ids: list[int], sampling: dict[str, Any]
-    ) -> AsyncIterator[Any]:
-        """Pass through `Upstream.stream`. Fail over only before the first item: after it,
-        the agent has already seen tokens from this replica, so a retry could contradict them."""
+    ) -> AsyncGenerator[TokenDelta | Generation, None]:
+        """`UpstreamClient.stream` on the affinity's replica, failing over as `_route` does."""
+        return self._route(affinity, lambda upstream: upstream.stream(prompt_ids, sampling))
+
+    async def _route(
+        self, affinity: str, call: Callable[[UpstreamClient], AsyncGenerator[T, None]]
+    ) -> AsyncGenerator[T, None]:
+        """The one failover loop: pass through what `call` yields from the affinity's replica;
+        on `UpstreamUnavailable` take that replica out and try another (each at most once per
+        request), but only before the first item. After it, the agent has already seen tokens
+        from this replica, so a retry could contradict them. A whole generation is one item."""
         tried: set[Replica] = set()
         while True:
             replica = self._place(affinity, tried)
@@ -199,9 +234,11 @@ class Replicas:
             replica.in_flight += 1
             started = False
             try:
-                async with aclosing(replica.upstream.stream(prompt_ids, sampling)) as items:
+                async with aclosing(call(replica.upstream)) as items:
                     async for item in items:
-                        started = True
+                        if not started:  # counted here: a caller may stop reading at the end
+                            started = True
+                            replica.requests += 1
                         yield item
             except UpstreamUnavailable as exc:
                 self._mark_down(replica, exc)
@@ -210,7 +247,6 @@ class Replicas:
                 continue
             finally:
                 replica.in_flight -= 1
-            replica.requests += 1
             return
 
     def release(self, affinity: str) -> None:
@@ -253,25 +289,21 @@ class Replicas:
             results = await asyncio.gather(
                 *(r.upstream.refresh_weights(weights_dir, version) for r in targets), return_exceptions=True
             )
-            loaded = []
+            loaded: list[str] = []
+            errors: list[BaseException] = []
             for replica, result in zip(targets, results, strict=True):
                 if isinstance(result, BaseException):
                     self._mark_down(replica, f"loading weights {version} failed: {result!r}")
+                    errors.append(result)
                 else:
                     replica.weight_version = version
                     loaded.append(replica.url)
             if not loaded:
-                error = results[0]
-                assert isinstance(error, BaseException)
-                raise error
+                raise errors[0]
             self._weights = (weights_dir, version)
             return loaded
 
     # -- health ------------------------------------------------------------------------------
-
-    async def healthy(self) -> bool:
-        """True when at least one replica can take requests."""
-        return any(r.healthy for r in self._replicas)
 
     def describe(self) -> list[dict[str, Any]]:
         return [r.describe() for r in self._replicas]

@@ -3,6 +3,7 @@
 A session is one agent episode. It holds its segments (the last one open), a lock that
 serialises its turns, and the last request it answered (for idempotent retries). The
 registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
+A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
 
 A request without a session id joins the inferred session whose open segment its render
 continues byte for byte, or starts a new one. Sessions whose histories render alike (N
@@ -18,70 +19,25 @@ import asyncio
 import hashlib
 import time
 import uuid
-from array import array
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
 from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
-from molt_proxy.stitching import PromptPlan, TokenText, commit_turn
-from molt_proxy.store import Store, StoredSession, StoredTurn
-from molt_proxy.types import Generation, Sampling, Segment, SessionStatus, Trajectory
-
-
-@dataclass(slots=True)
-class Session:
-    id: str
-    group_id: str | None
-    """Given at creation; otherwise derived from the first prompt when the session closes."""
-    created: float
-    api_key_hash: str | None = None
-    """SHA-256 of the session's own key (`auth.key_id`), if it was minted one."""
-    owner: str | None = None
-    """The id of the agent key that created it (`auth.Principal.owner`)."""
-    inferred: bool = False
-    last_active: float = 0.0
-    call_ids: set[str] = field(default_factory=set)
-    """Ids of the tool calls in this session's replies: an echoed history names them."""
-    segments: list[Segment] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_request_hash: str | None = None
-    last_reply: dict[str, Any] | None = None
-    closed: bool = False
-
-    @property
-    def open_segment(self) -> Segment | None:
-        return self.segments[-1] if self.segments else None
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "session_id": self.id,
-            "group_id": self.group_id or default_group(self),
-            "status": "closed" if self.closed else "open",
-            "segments": [
-                {
-                    "segment": s.index,
-                    "num_tokens": len(s.token_ids),
-                    "num_sampled": sum(s.loss_mask),
-                    "turns": [t.completion_id for t in s.turns],
-                }
-                for s in self.segments
-            ],
-        }
-
-
-def default_group(session: Session) -> str:
-    """A hash of the session's first rendered prompt: N attempts at one task group themselves
-    (DESIGN §3). A session without turns is its own group."""
-    if not session.segments or not session.segments[0].turns:
-        return session.id
-    first = session.segments[0]
-    prompt = first.token_ids[: first.turns[0].completion_start]
-    return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]
-
-
-def _reply_call_ids(reply: dict[str, Any]) -> set[str]:
-    return {call["id"] for call in reply["choices"][0]["message"].get("tool_calls") or []}
+from molt_proxy.session import Caller, Session
+from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
+from molt_proxy.store import Store
+from molt_proxy.types import (
+    Generation,
+    RecordedReply,
+    Sampling,
+    SessionStatus,
+    StoredSession,
+    StoredTurn,
+    Trajectory,
+)
 
 
 def unknown_session(session_id: str) -> NotFound:
@@ -119,12 +75,11 @@ class Sessions:
                 last_active=stored.created,
             )
             for turn in turns:
-                if not session.segments or session.segments[-1].index != turn.segment:
-                    session.segments.append(Segment(index=turn.segment))
-                plan = PromptPlan([], turn.new_ids, self.tokenizer.ids_bytes(turn.new_ids), continues=True)
-                replayed = commit_turn(
-                    session.segments[-1],
-                    plan,
+                replayed = commit_to(
+                    session.segments,
+                    turn.segment,
+                    turn.new_ids,
+                    self.tokenizer.ids_bytes(turn.new_ids),
                     turn.generation,
                     turn.completion_id,
                     self.tokenizer,
@@ -133,7 +88,7 @@ class Sessions:
                 replayed.created, replayed.reward = turn.created, turn.reward
                 session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
                 session.last_active = turn.created
-                session.call_ids |= _reply_call_ids(turn.reply)
+                session.call_ids |= turn.reply.call_ids if turn.reply is not None else set()
             self._register(session)
         return len(self._open)
 
@@ -197,19 +152,29 @@ class Sessions:
         self._register(session)
         return session
 
-    async def acquire(
-        self,
-        session_id: str | None,
-        api_key: str | None,
-        group_id: str | None,
-        rendered: bytes,
-        call_ids: frozenset[str],
-        principal: Principal = OPEN,
-    ) -> Session:
+    @asynccontextmanager
+    async def turn(
+        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], request_hash: str
+    ) -> AsyncIterator[OpenTurn]:
+        """The session `caller` names (or `rendered` continues), locked for one turn and
+        released when the turn ends, however it ends."""
+        session = await self._acquire(caller, rendered, call_ids)
+        try:
+            yield OpenTurn(self, session, request_hash)
+        finally:
+            session.lock.release()
+
+    async def _acquire(self, caller: Caller, rendered: bytes, call_ids: frozenset[str]) -> Session:
         """The session a chat request belongs to, locked for the turn: by id (path, header or
         metadata; created on first use), by a session-scoped key, or inferred from `rendered`
-        and the tool-call ids its messages echo, among the sessions of the same owner. The
-        caller releases `session.lock`. A session `principal` may not use is refused."""
+        and the tool-call ids its messages echo, among the sessions of the same owner. A
+        session its principal may not use is refused. Only `turn` calls it: it releases the lock."""
+        session_id, api_key, group_id, principal = (
+            caller.session_id,
+            caller.api_key,
+            caller.group_id,
+            caller.principal,
+        )
         if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
             session_id = self._by_key.get(key_id(api_key))
             if session_id is None:
@@ -338,9 +303,8 @@ class Sessions:
         session: Session,
         plan: PromptPlan,
         generation: Generation,
-        completion_id: str,
         request_hash: str,
-        reply: dict[str, Any],
+        reply: RecordedReply,
         *,
         sampling: Sampling | None = None,
     ) -> None:
@@ -349,14 +313,10 @@ class Sessions:
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
-        open_segment = session.open_segment
-        if plan.continues and open_segment is not None:
-            segment = open_segment
-        else:
-            segment = Segment(index=open_segment.index + 1 if open_segment else 0)
+        index = segment_index(session.open_segment, plan)
         stored = StoredTurn(
-            completion_id,
-            segment.index,
+            reply.completion_id,
+            index,
             plan.new_ids,
             generation,
             time.time(),
@@ -365,14 +325,21 @@ class Sessions:
             sampling=sampling,
         )
         await self.store.record_turn(session.id, stored)
-        turn = commit_turn(segment, plan, generation, completion_id, self.tokenizer, sampling)
+        turn = commit_to(
+            session.segments,
+            index,
+            plan.new_ids,
+            plan.new_text,
+            generation,
+            reply.completion_id,
+            self.tokenizer,
+            sampling,
+        )
         turn.created = stored.created
-        if segment is not open_segment:
-            session.segments.append(segment)
         session.last_request_hash, session.last_reply = request_hash, reply
         session.last_active = stored.created
-        session.call_ids |= _reply_call_ids(reply)
-        self._by_completion[completion_id] = session.id
+        session.call_ids |= reply.call_ids
+        self._by_completion[reply.completion_id] = session.id
 
     async def close(
         self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus
@@ -388,28 +355,7 @@ class Sessions:
             if session.closed:
                 raise Conflict(f"session {session_id!r} is already closed", param="session_id")
             now = time.time()
-            group_id = session.group_id or default_group(session)
-            trajectories = [
-                Trajectory(
-                    seq=0,
-                    trajectory_id=f"{session.id}:{segment.index}",
-                    session_id=session.id,
-                    segment=segment.index,
-                    num_segments=len(session.segments),
-                    group_id=group_id,
-                    token_ids=segment.token_ids,
-                    loss_mask=segment.loss_mask,
-                    logprobs=segment.logprobs,
-                    weight_versions=segment.weight_versions,
-                    turns=segment.turns,
-                    reward=reward,
-                    info=info,
-                    status=status,
-                    model=self.model,
-                    created=now,
-                )
-                for segment in session.segments
-            ]
+            trajectories = session.trajectories(reward, info, status, self.model, now)
             stored = await self.store.close_session(session.id, status, reward, info, now, trajectories)
             session.closed = True
             del self._open[session.id]
@@ -419,3 +365,27 @@ class Sessions:
                 for turn in segment.turns:
                     self._by_completion.pop(turn.completion_id, None)
         return stored
+
+
+@dataclass(slots=True)
+class OpenTurn:
+    """A turn in progress on its session, which stays locked while the turn is open
+    (`Sessions.turn`). Format-agnostic: a wire format brings the render and encodes the reply."""
+
+    sessions: Sessions
+    session: Session
+    request_hash: str
+
+    @property
+    def replay(self) -> RecordedReply | None:
+        """The reply to give again when this request is a byte-identical retry of the session's
+        last one (its client lost the answer); None: sample a new one."""
+        session = self.session
+        return session.last_reply if session.last_request_hash == self.request_hash else None
+
+    async def record(
+        self, plan: PromptPlan, generation: Generation, reply: RecordedReply, sampling: Sampling | None
+    ) -> None:
+        await self.sessions.record(
+            self.session, plan, generation, self.request_hash, reply, sampling=sampling
+        )

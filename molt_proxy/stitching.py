@@ -1,8 +1,9 @@
 """Token accounting: continue the open segment or start a new one (DESIGN §2).
 
 Pure: no I/O, no locks. The session layer calls `plan_prompt` before generation and
-`commit_turn` only after generation succeeded, so a failed or retried request never
-double-appends.
+`commit_to` only after generation succeeded, so a failed or retried request never
+double-appends. Continue-or-seal is decided once, by `plan_prompt`, and becomes a segment
+index (`segment_index`) that the live turn and a restart's replay both commit to.
 """
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ def plan_prompt(segment: Segment | None, rendered: str, tokenizer: TokenText) ->
     return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), False)
 
 
+def segment_index(open_segment: Segment | None, plan: PromptPlan) -> int:
+    """The index of the segment a planned turn joins: the open one if the plan continues it,
+    else the next (the turn seals the open segment). The one place `continues` becomes a
+    record; a stored turn keeps the index, so a restart replays the same choice."""
+    if open_segment is None:
+        return 0
+    return open_segment.index if plan.continues else open_segment.index + 1
+
+
+def commit_to(
+    segments: list[Segment],
+    index: int,
+    new_ids: list[int],
+    new_text: bytes,
+    generation: Generation,
+    completion_id: str,
+    tokenizer: TokenText,
+    sampling: Sampling | None = None,
+) -> Turn:
+    """Append a turn to the segment `index` of `segments`: the last one when it has that
+    index, else a new one opened after it. Serves a live turn and a replayed stored one alike."""
+    if not segments or segments[-1].index != index:
+        segments.append(Segment(index=index))
+    return _append(segments[-1], new_ids, new_text, generation, completion_id, tokenizer, sampling)
+
+
 def commit_turn(
     segment: Segment,
     plan: PromptPlan,
@@ -63,22 +90,33 @@ def commit_turn(
     tokenizer: TokenText,
     sampling: Sampling | None = None,
 ) -> Turn:
-    """Append the request's new prompt ids (mask 0) and the sampled ids (mask 1) to `segment`.
+    """Append the planned turn to `segment`: the open segment when `plan.continues`, else a
+    fresh empty one."""
+    return _append(segment, plan.new_ids, plan.new_text, generation, completion_id, tokenizer, sampling)
 
-    `segment` is the open segment when `plan.continues`, else a fresh empty one. `sampling`
-    is what vLLM sampled the ids with, kept on the turn.
-    """
+
+def _append(
+    segment: Segment,
+    new_ids: list[int],
+    new_text: bytes,
+    generation: Generation,
+    completion_id: str,
+    tokenizer: TokenText,
+    sampling: Sampling | None,
+) -> Turn:
+    """The request's new prompt ids (mask 0), then the sampled ids (mask 1). `sampling` is
+    what vLLM sampled the ids with, kept on the turn."""
     prompt_start = len(segment.token_ids)
-    segment.token_ids += plan.new_ids
-    segment.loss_mask += [0] * len(plan.new_ids)
-    segment.logprobs += [0.0] * len(plan.new_ids)
-    segment.weight_versions += [NOT_SAMPLED] * len(plan.new_ids)
+    segment.token_ids += new_ids
+    segment.loss_mask += [0] * len(new_ids)
+    segment.logprobs += [0.0] * len(new_ids)
+    segment.weight_versions += [NOT_SAMPLED] * len(new_ids)
     completion_start = len(segment.token_ids)
     segment.token_ids += generation.token_ids
     segment.loss_mask += [1] * len(generation.token_ids)
     segment.logprobs += generation.logprobs
     segment.weight_versions += generation.weight_versions
-    segment.text += plan.new_text + tokenizer.ids_bytes(generation.token_ids)
+    segment.text += new_text + tokenizer.ids_bytes(generation.token_ids)
     turn = Turn(
         completion_id=completion_id,
         prompt_start=prompt_start,

@@ -19,19 +19,23 @@ All SQL runs on one dedicated thread with one connection; callers await it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 import sqlite3
 import zlib
 from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
-from molt_proxy.types import Generation, Sampling, SessionStatus, Trajectory
+from molt_proxy.store_migrations import (
+    add_turn_sampling,
+    decode_reply,
+    hash_plain_session_keys,
+    make_private,
+)
+from molt_proxy.types import Generation, Sampling, SessionStatus, StoredSession, StoredTurn, Trajectory
 
 T = TypeVar("T")
 
@@ -93,48 +97,20 @@ def _unpack(typecode: str, blob: bytes) -> list:
     return values.tolist()
 
 
-@dataclass(slots=True)
-class StoredSession:
-    id: str
-    group_id: str | None
-    api_key_hash: str | None
-    """SHA-256 of the session's key (`auth.key_id`): the key itself is never stored."""
-    owner: str | None
-    """The id of the agent key that created the session; None: the admin's or an open proxy's."""
-    inferred: bool
-    """Joined by continuation (no session id): only such sessions are candidates for it."""
-    status: SessionStatus
-    created: float
-
-
-@dataclass(slots=True)
-class StoredTurn:
-    completion_id: str
-    segment: int
-    new_ids: list[int]
-    generation: Generation
-    created: float
-    request_hash: str
-    reply: dict[str, Any]
-    reward: float | None = None
-    sampling: Sampling | None = None
-    """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""
-
-
 def _turn(
-    completion_id,
-    segment,
-    new_ids,
-    sampled,
-    logprobs,
-    versions,
-    finish_reason,
-    created,
-    request_hash,
-    reply,
-    reward,
-    sampling,
-):
+    completion_id: str,
+    segment: int,
+    new_ids: bytes,
+    sampled: bytes,
+    logprobs: bytes,
+    versions: bytes,
+    finish_reason: str,
+    created: float,
+    request_hash: str,
+    reply: str,
+    reward: float | None,
+    sampling: str | None,
+) -> StoredTurn:
     generation = Generation(
         token_ids=_unpack("i", sampled),
         logprobs=_unpack("d", logprobs),
@@ -148,7 +124,7 @@ def _turn(
         generation,
         created,
         request_hash,
-        json.loads(reply),
+        decode_reply(reply),
         reward,
         Sampling.from_json(json.loads(sampling)) if sampling else None,
     )
@@ -169,14 +145,14 @@ class Store:
     def _open(self) -> None:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            _make_private(self.path)
+            make_private(self.path)
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=ON")
-        _hash_plain_session_keys(db)
+        hash_plain_session_keys(db)
         db.executescript(_SCHEMA)
-        _add_turn_sampling(db)
+        add_turn_sampling(db)
         self._db = db
 
     async def close(self) -> None:
@@ -269,7 +245,7 @@ class Store:
                 g.finish_reason,
                 turn.created,
                 turn.request_hash,
-                json.dumps(turn.reply),
+                json.dumps(turn.reply.to_json()) if turn.reply is not None else "{}",
                 json.dumps(asdict(turn.sampling)) if turn.sampling else None,
             ),
         )
@@ -373,44 +349,6 @@ def _decode_trajectory(stored: bytes | str) -> dict[str, Any]:
     """The JSON of a trajectory row: compressed (see the module doc), or plain text as written
     by a proxy from before that."""
     return json.loads(zlib.decompress(stored) if isinstance(stored, bytes) else stored)
-
-
-def _make_private(path: str) -> None:
-    """Create the database file 0600 before SQLite opens it (it holds training data and key
-    digests); SQLite gives its -wal and -shm files the database file's mode. A file left by an
-    older version, which created it 0644, is narrowed too."""
-    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-    for file in (path, f"{path}-wal", f"{path}-shm"):
-        if os.path.exists(file):
-            os.chmod(file, 0o600)
-
-
-def _add_turn_sampling(db: sqlite3.Connection) -> None:
-    """A store from before turns recorded their sampling gets the column, NULL on its rows: the
-    trainer leaves the tokens of such turns out, as it cannot know their distribution."""
-    if "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]:
-        db.execute("ALTER TABLE turns ADD COLUMN sampling TEXT")
-
-
-def _hash_plain_session_keys(db: sqlite3.Connection) -> None:
-    """Migrate a store from before keys were hashed: `api_key` (plain) → `api_key_hash`, and
-    the `owner` column. The sessions keep working with the same keys."""
-    columns = [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
-    if "api_key" not in columns:
-        return
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        rows = db.execute("SELECT id, api_key FROM sessions WHERE api_key IS NOT NULL").fetchall()
-        db.execute("ALTER TABLE sessions RENAME COLUMN api_key TO api_key_hash")
-        db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT")
-        db.executemany(
-            "UPDATE sessions SET api_key_hash = ? WHERE id = ?",
-            [(hashlib.sha256(key.encode()).hexdigest(), sid) for sid, key in rows],
-        )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def read_trajectories(path: str | Path) -> list[dict[str, Any]]:

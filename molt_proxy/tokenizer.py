@@ -9,6 +9,7 @@ new ids, never a decode of the whole history.
 from __future__ import annotations
 
 import json
+import logging
 import unicodedata
 from functools import cached_property
 from typing import Any
@@ -19,6 +20,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from molt_proxy.errors import BadRequest
+
+log = logging.getLogger(__name__)
 
 _PROBE_ARGUMENTS = '{"probe":1}'
 
@@ -67,7 +70,12 @@ class Tokenizer:
         ]
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False)
-        except Exception:
+        except Exception as exc:  # a template that cannot render tool calls at all: no string to keep
+            log.warning(
+                "the chat template does not render a probe tool call (%s); tool arguments are "
+                "passed to it as dicts",
+                type(exc).__name__,
+            )
             return False
         return _PROBE_ARGUMENTS in text
 

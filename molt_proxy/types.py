@@ -184,3 +184,80 @@ class Generation:
     finish_reason: str
     prompt_token_ids: list[int] | None = None
     """The prompt ids vLLM reports it received, when it reports them."""
+
+
+@dataclass(slots=True)
+class ParsedReply:
+    """The assistant message vLLM's parsers read from the sampled ids, in no wire format."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    """[calls] `{"id", "type": "function", "function": {"name", "arguments"}}`, the shape vLLM's
+    tool parsers produce; `arguments` is the exact JSON text the model sampled where found."""
+
+
+@dataclass(slots=True)
+class RecordedReply:
+    """What one turn answered, kept (in memory and in the store) so that a byte-identical retry
+    is answered again without sampling. Format-neutral: each wire format encodes it its own way,
+    and `finish_reason` is vLLM's (a wire format maps `stop` with tool calls as it needs)."""
+
+    completion_id: str
+    created: int
+    """When the reply was made (Unix seconds), as the reply said."""
+    model: str
+    message: ParsedReply
+    finish_reason: str
+    """vLLM's reason: `stop` or `length`."""
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def call_ids(self) -> set[str]:
+        """The ids of the tool calls the reply made: an agent's later history echoes them."""
+        return {call["id"] for call in self.message.tool_calls}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RecordedReply:
+        return cls(**{**data, "message": ParsedReply(**data["message"])})
+
+
+@dataclass(slots=True)
+class StoredSession:
+    """A session's row in the store."""
+
+    id: str
+    group_id: str | None
+    api_key_hash: str | None
+    """SHA-256 of the session's key (`auth.key_id`): the key itself is never stored."""
+    owner: str | None
+    """The id of the agent key that created the session; None: the admin's or an open proxy's."""
+    inferred: bool
+    """Joined by continuation (no session id): only such sessions are candidates for it."""
+    status: SessionStatus
+    created: float
+
+
+@dataclass(slots=True)
+class StoredTurn:
+    """One committed turn of an open session, as the store keeps it: only what the turn
+    appended, so an open session is rebuilt by replaying its turns in order."""
+
+    completion_id: str
+    segment: int
+    """The index of the segment the turn joined (a new index: it sealed the one before)."""
+    new_ids: list[int]
+    """[P] the prompt ids the request appended before the completion."""
+    generation: Generation
+    created: float
+    request_hash: str
+    """SHA-256 of the request body: a byte-identical retry is answered with `reply`."""
+    reply: RecordedReply | None
+    """None for a row whose reply this version cannot read (it is then never replayed)."""
+    reward: float | None = None
+    sampling: Sampling | None = None
+    """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""

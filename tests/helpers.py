@@ -15,7 +15,7 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoModelForCausalLM
 
-from molt_proxy.tinymodel import Conversation
+from devtools import Conversation
 
 
 def reply_as_message(message: Any) -> dict[str, Any]:

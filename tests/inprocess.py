@@ -12,22 +12,25 @@ Tests of sampling, exactness and streaming from real ids run against a real vLLM
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import httpx
 import uvicorn
 from aiohttp import web
 
+from bench import mock_upstream
 from bench.mock_upstream import build_app as build_mock_vllm
+from devtools import tokenizer_source
 from molt_proxy.app import create_app
 from molt_proxy.config import Settings
-from molt_proxy.launcher import free_port
-from molt_proxy.tinymodel import tokenizer_source
+from molt_proxy.launcher import Supervisor, VLLMServer, free_port
 from molt_proxy.tokenizer import Tokenizer
 
 REPLY_TEXT = "Hello there."
@@ -43,12 +46,18 @@ def qwen3_tokenizer_dir() -> Path:
     return folder
 
 
+@cache
+def mock_reply_ids(model_dir: Path) -> tuple[int, ...]:
+    """The ids the stand-in vLLM samples: `REPLY_TEXT` followed by `<|im_end|>`."""
+    tokenizer = Tokenizer.load(str(model_dir))
+    return (*tokenizer.encode(REPLY_TEXT), tokenizer.hf.convert_tokens_to_ids("<|im_end|>"))
+
+
 @contextmanager
 def mock_vllm(model_dir: Path, max_model_len: int = MOCK_MAX_MODEL_LEN) -> Iterator[str]:
     """The stand-in vLLM on a free port, in a thread of its own; yields its base URL. It
     always samples `REPLY_TEXT` followed by `<|im_end|>`."""
-    tokenizer = Tokenizer.load(str(model_dir))
-    reply_ids = tokenizer.encode(REPLY_TEXT) + [tokenizer.hf.convert_tokens_to_ids("<|im_end|>")]
+    reply_ids = list(mock_reply_ids(model_dir))
     port = free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(build_mock_vllm("tiny", REPLY_TEXT, reply_ids, max_model_len), access_log=None)
@@ -65,14 +74,28 @@ def mock_vllm(model_dir: Path, max_model_len: int = MOCK_MAX_MODEL_LEN) -> Itera
         loop.close()
 
 
+def mock_vllm_process(model_dir: Path, log_path: Path) -> VLLMServer:
+    """The stand-in vLLM as a child process of its own, wrapped in a `VLLMServer` and spawned
+    (not yet waited for): a server that a test can stop, hang or kill, and a `Supervisor`
+    relaunch on its port, like a launched vLLM, but that boots in a second."""
+    server = VLLMServer("unused", log_path=log_path)
+    server.command = [
+        sys.executable, mock_upstream.__file__, "--port", str(server.port),
+        "--reply-text", REPLY_TEXT, "--reply-ids", ",".join(map(str, mock_reply_ids(model_dir))),
+        "--max-model-len", str(MOCK_MAX_MODEL_LEN),
+    ]  # fmt: skip
+    return server.spawn()
+
+
 @contextmanager
-def serve_app(settings: Settings) -> Iterator[str]:
-    """`create_app(settings)` served by uvicorn in a thread; yields its base URL."""
+def serve_app(settings: Settings, supervisors: Mapping[str, Supervisor] | None = None) -> Iterator[str]:
+    """`create_app(settings, supervisors)` served by uvicorn in a thread; yields its base URL.
+    `supervisors`: by upstream URL, for upstream processes the app is to supervise as `serve`
+    supervises the vLLM servers it launched."""
     port = free_port()
     settings = replace(settings, host="127.0.0.1", port=port)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
+    app = create_app(settings, supervisors)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="molt-proxy", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -88,11 +111,14 @@ def serve_app(settings: Settings) -> Iterator[str]:
 
 
 @contextmanager
-def inprocess_proxy(db_path: Path, **settings: object) -> Iterator[str]:
+def inprocess_proxy(
+    db_path: Path, *, max_model_len: int = MOCK_MAX_MODEL_LEN, **settings: object
+) -> Iterator[str]:
     """A proxy (real app, real tokenizer, real SQLite at `db_path`) in front of the stand-in
-    vLLM; yields the proxy's base URL. `settings` override `Settings` fields."""
+    vLLM, which reports `max_model_len`; yields the proxy's base URL. `settings` override
+    `Settings` fields."""
     model = qwen3_tokenizer_dir()
-    with mock_vllm(model) as upstream:
+    with mock_vllm(model, max_model_len) as upstream:
         base = Settings(model=str(model), upstreams=[upstream], db_path=db_path)
         with serve_app(replace(base, **settings)) as url:
             yield url

@@ -8,8 +8,8 @@ import sys
 import httpx
 from openai import OpenAI
 
+from devtools import weather_episode
 from molt_proxy.export import load
-from molt_proxy.tinymodel import weather_episode
 from tests.conftest import ProxyProcess
 from tests.helpers import assert_exact, play, trajectories
 

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import httpx
+import pytest
 from openai import OpenAI
 
-from molt_proxy.tinymodel import thinking_episode, weather_episode
+from devtools import thinking_episode, weather_episode
 from molt_proxy.tokenizer import Tokenizer
+from tests.conftest import ProxyProcess
 from tests.helpers import assert_exact, play, trajectories
+
+
+@pytest.fixture(scope="module")
+def qwen3_hermes(qwen3_model, qwen3_vllm, tmp_path_factory) -> Iterator[ProxyProcess]:
+    """One proxy for the tests that need these same flags; each keeps to its own session."""
+    db = tmp_path_factory.mktemp("exactness") / "qwen3-hermes.db"
+    proxy = ProxyProcess(qwen3_model, qwen3_vllm.url, db, ["--tool-call-parser", "hermes"]).start()
+    yield proxy
+    proxy.stop()
+
+
+def recorded(proxy: ProxyProcess, session: str) -> list[dict[str, Any]]:
+    return [t for t in trajectories(proxy.url) if t["session_id"] == session]
 
 
 def _render_first_request(model_dir, conversation) -> list[int]:
@@ -26,8 +44,8 @@ def _episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) 
     assert (
         httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1.0}).status_code == 200
     )
-    [trajectory] = trajectories(proxy.url)
-    assert trajectory["session_id"] == session and trajectory["reward"] == 1.0
+    [trajectory] = recorded(proxy, session)
+    assert trajectory["reward"] == 1.0
     assert [t["completion_id"] for t in trajectory["turns"]] == [r.id for r in replies]
     ids = trajectory["token_ids"]
     # The first prompt is exactly the tokenized render; every later prompt the proxy sent is
@@ -40,9 +58,8 @@ def _episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) 
     assert_exact(trajectory, model_dir)
 
 
-def test_qwen3_five_turn_tool_episode_is_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
-    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
-    _episode_is_one_exact_segment(proxy, qwen3_model, weather_episode("hermes"), "weather-qwen3")
+def test_qwen3_five_turn_tool_episode_is_one_exact_segment(qwen3_model, qwen3_hermes):
+    _episode_is_one_exact_segment(qwen3_hermes, qwen3_model, weather_episode("hermes"), "weather-qwen3")
 
 
 def test_llama_five_turn_tool_episode_is_one_exact_segment(llama_model, llama_vllm, start_proxy):
@@ -68,8 +85,8 @@ def test_qwen3_think_stripping_seals_a_segment_and_both_are_exact(qwen3_model, q
         assert_exact(trajectory, qwen3_model)
 
 
-def test_compacting_agent_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
-    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+def test_compacting_agent_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_hermes):
+    proxy = qwen3_hermes
     client = OpenAI(base_url=proxy.base_url("compactor"), api_key="unused")
     conversation = weather_episode("hermes")
     history = conversation["messages"][:2]
@@ -88,7 +105,7 @@ def test_compacting_agent_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_
     segments = httpx.get(f"{proxy.url}/v1/sessions/compactor").json()["segments"]
     assert [s["turns"] for s in segments] == [[first.id], [second.id]]
     httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "compactor", "reward": -1}).raise_for_status()
-    records = trajectories(proxy.url)
+    records = recorded(proxy, "compactor")
     assert [(r["segment"], r["reward"]) for r in records] == [(0, -1.0), (1, -1.0)]
     tokenizer = Tokenizer.load(str(qwen3_model))
     assert records[1]["token_ids"][: records[1]["turns"][0]["completion_start"]] == tokenizer.encode(

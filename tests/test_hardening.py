@@ -7,14 +7,17 @@ All against the in-process proxy (real app, Qwen3 tokenizer, SQLite) and the sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import ClientDisconnect
 
+from molt_proxy.routes import EventStream
 from molt_proxy.tokenizer import Tokenizer
 from tests.inprocess import MOCK_MAX_MODEL_LEN, chat_body, inprocess_proxy, qwen3_tokenizer_dir
 
@@ -311,3 +314,37 @@ def test_the_token_lower_bound_never_exceeds_the_real_count():
     for text in ["", "hi", " " * 1000, "héllo wörld " * 50, "日本語のテキスト" * 30, "<|im_end|>" * 5]:
         assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text))
     assert tokenizer.min_tokens("e\u0301" * 100) == 0  # not NFC: the normalizer may shrink it
+
+
+def test_a_streamed_turn_whose_client_left_is_closed_at_once_not_at_garbage_collection():
+    """A turn's events hold its session's lock; Starlette leaves an unfinished body iterator to
+    the garbage collector, so the response itself must close them when the client is gone."""
+    closed: list[bool] = []
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+            yield "data: 3\n\n"
+        finally:
+            closed.append(True)
+
+    async def scenario() -> None:
+        turn = events()
+        response = EventStream(await anext(turn), turn)
+        sent: list[bytes] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message.get("body"):
+                if sent:
+                    raise OSError("the client is gone")
+                sent.append(message["body"])
+
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert sent == [b"data: 1\n\n"] and closed == [True]
+
+    asyncio.run(scenario())

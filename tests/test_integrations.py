@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools import AGENTS_SDK_WEATHER_TOOL, build_agents_sdk_model, render_reply, weather_episode
 from integrations.session import MoltSession, molt_session
 from molt_proxy.launcher import VLLMServer
-from molt_proxy.tinymodel import render_reply, weather_episode
 from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import assert_exact, play
 
+# The example agents are what these tests drive: they are imported from examples/ as they are.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from molt_stack import AGENTS_SDK_WEATHER_TOOL, build_agents_sdk_model  # noqa: E402
 
 ADMIN_KEY = "test-admin-key"
 SCRIPT = weather_episode("hermes")
@@ -97,7 +97,7 @@ def test_langgraph_react_agent_records_one_exact_segment(qwen3_model, qwen3_vllm
 @pytest.fixture(scope="module")
 def agents_sdk_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 model that knows the weather script as the Agents SDK sends its tool
-    (with `"strict": false`, see `examples/molt_stack.py`)."""
+    (with `"strict": false`, see `devtools/scripts.py`)."""
     pytest.importorskip("agents")
     return build_agents_sdk_model(tmp_path_factory.mktemp("tiny-agents-sdk"))
 

@@ -1,39 +1,42 @@
-"""Several vLLM replicas behind one proxy: stickiness, least-loaded placement, failover with
-an exact trajectory, and a restarted replica coming back with the current weights.
+"""Several vLLM replicas behind one proxy: stickiness, least-loaded placement, failover, and a
+restarted replica coming back with the current weights, all in process.
 
-The routing rules are first checked on fake upstreams (cheap, exact about in-flight counts);
-then against two real vLLM servers on CPU, where where a request went is read from each
-server's own `/metrics` request counter, not from the proxy.
+The routing rules are checked on fakes that speak `replicas.UpstreamClient` (cheap, exact about
+in-flight counts), then through the real app on two in-process stand-in vLLMs. What needs real
+sampling (a kill -9 mid-episode, a restarted vLLM, exact trajectories) is in
+`test_replicas_vllm.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+import inspect
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
 
+from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, UpstreamUnavailable
-from molt_proxy.launcher import VLLMServer
-from molt_proxy.replicas import Replicas
+from molt_proxy.replicas import Replicas, UpstreamClient
 from molt_proxy.store import Store
-from molt_proxy.tinymodel import weather_episode
 from molt_proxy.types import Generation
-from tests.conftest import MAX_MODEL_LEN
-from tests.helpers import assert_exact, play, trajectories
+from molt_proxy.upstream import ModelInfo, TokenDelta, Upstream
+from tests.inprocess import chat_body, mock_vllm, qwen3_tokenizer_dir, serve_app
 
 # -- routing rules on fake upstreams ----------------------------------------------------------
 
 
+# What every fake replica samples: two ids, streamed one at a time.
+DELTAS = [TokenDelta([7], [-0.5]), TokenDelta([8], [-0.25])]
+GENERATION = Generation([7, 8], [-0.5, -0.25], [0, 0], "stop")
+
+
 class FakeUpstream:
-    """Stands in for `Upstream`: answers at once unless `gate` holds it, fails when down."""
+    """Speaks `UpstreamClient` in process: answers `GENERATION` at once unless `gate` holds
+    it, fails when down."""
 
     def __init__(self, name: str):
         self.base_url = f"http://{name}"
@@ -43,12 +46,15 @@ class FakeUpstream:
         self.die_after_first = False
         self.prompts: list[list[int]] = []
         self.loaded: list[tuple[str, int]] = []
+        self.opened = False
+        self.streams_closed = 0
 
     async def __aenter__(self) -> FakeUpstream:
+        self.opened = True
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        pass
+        self.opened = False
 
     def _check(self) -> None:
         if not self.up:
@@ -56,20 +62,28 @@ class FakeUpstream:
         if self.error is not None:
             raise self.error
 
-    async def generate(self, prompt_ids: list[int], sampling: dict[str, Any], **_: Any) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+    ) -> Generation:
         self._check()
         if self.gate is not None:
             await self.gate.wait()
         self.prompts.append(list(prompt_ids))
-        return Generation([1], [0.0], [0], "stop")
+        return GENERATION
 
-    async def stream(self, prompt_ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[str]:
+    async def stream(
+        self, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncGenerator[TokenDelta | Generation, None]:
         self._check()
         self.prompts.append(list(prompt_ids))
-        for item in ("a", "b"):
-            yield item
-            if self.die_after_first:
-                raise UpstreamUnavailable(f"{self.base_url} died mid-stream")
+        try:
+            for delta in DELTAS:
+                yield delta
+                if self.die_after_first:
+                    raise UpstreamUnavailable(f"{self.base_url} died mid-stream")
+            yield GENERATION
+        finally:
+            self.streams_closed += 1
 
     async def healthy(self) -> bool:
         return self.up
@@ -80,12 +94,41 @@ class FakeUpstream:
 
     async def models(self) -> list[dict[str, Any]]:
         self._check()
-        return [{"id": self.base_url}]
+        return [{"id": self.base_url, "max_model_len": 2048}]
+
+    async def model(self) -> ModelInfo:
+        first = (await self.models())[0]
+        return ModelInfo(first["id"], first["max_model_len"])
 
 
 def _fakes(n: int = 2, **kwargs: Any) -> tuple[Replicas, list[FakeUpstream]]:
     fakes = [FakeUpstream(f"r{i}") for i in range(n)]
-    return Replicas(fakes, **kwargs), fakes  # type: ignore[arg-type]
+    return Replicas(fakes, **kwargs), fakes
+
+
+def _protocol_methods() -> list[str]:
+    return [
+        name
+        for name, member in vars(UpstreamClient).items()
+        if inspect.isfunction(member) and member.__qualname__.startswith("UpstreamClient.")
+    ]
+
+
+@pytest.mark.parametrize("speaker", [Upstream, FakeUpstream])
+def test_the_real_upstream_and_the_fake_speak_the_protocol_replicas_uses(speaker):
+    """Without a type checker in CI, the fake's honesty is checked here: same methods, same
+    parameters, same kind (coroutine or async generator) as the protocol declares."""
+    assert len(_protocol_methods()) == 8
+    for name in _protocol_methods():
+        declared, spoken = getattr(UpstreamClient, name), getattr(speaker, name)
+        assert inspect.signature(spoken).parameters.keys() == inspect.signature(declared).parameters.keys()
+        kinds = [(p.kind, p.default) for p in inspect.signature(declared).parameters.values()]
+        assert [(p.kind, p.default) for p in inspect.signature(spoken).parameters.values()] == kinds
+        if name == "stream":  # declared as a plain def returning the generator
+            assert inspect.isasyncgenfunction(spoken), name
+        else:
+            assert inspect.iscoroutinefunction(spoken), name
+    assert isinstance(speaker("http://r0").base_url, str)
 
 
 async def _on(replicas: Replicas, fakes: list[FakeUpstream], affinity: str) -> int:
@@ -113,6 +156,7 @@ def test_sessions_stick_and_new_ones_go_to_the_least_loaded():
         assert await _on(replicas, fakes, "s5") == 0
         assert [r["sessions"] for r in replicas.describe()] == [1, 1]
         await replicas.stop()
+        assert not any(f.opened for f in fakes)
 
     asyncio.run(scenario())
 
@@ -152,7 +196,9 @@ def test_an_unreachable_replica_is_taken_out_and_its_session_moves():
             await replicas.generate("s1", [1], {})
         with pytest.raises(UpstreamUnavailable):
             await replicas.models()
-        assert not await replicas.healthy()
+        with pytest.raises(UpstreamUnavailable):
+            await replicas.model()
+        assert [r["healthy"] for r in replicas.describe()] == [False, False]
         await replicas.stop()
 
     asyncio.run(scenario())
@@ -176,7 +222,7 @@ def test_a_stream_fails_over_only_before_its_first_item():
         replicas, fakes = _fakes()
         await replicas.start()
         fakes[0].up = False
-        assert [item async for item in replicas.stream("s1", [1], {})] == ["a", "b"]
+        assert [item async for item in replicas.stream("s1", [1], {})] == [*DELTAS, GENERATION]
         assert len(fakes[1].prompts) == 1
         fakes[0].up = True
         await replicas.check_health()
@@ -185,8 +231,23 @@ def test_a_stream_fails_over_only_before_its_first_item():
         with pytest.raises(UpstreamUnavailable):
             async for item in replicas.stream("s1", [1], {}):
                 seen.append(item)
-        assert seen == ["a"] and fakes[0].prompts == []  # no retry after tokens went out
+        assert seen == DELTAS[:1] and fakes[0].prompts == []  # no retry after tokens went out
         assert [r["in_flight"] for r in replicas.describe()] == [0, 0]
+        await replicas.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_left_early_is_closed_on_its_replica_and_frees_it():
+    async def scenario() -> None:
+        replicas, fakes = _fakes()
+        await replicas.start()
+        async with aclosing(replicas.stream("s1", [1], {})) as items:
+            async for item in items:
+                assert item == DELTAS[0]
+                break
+        assert fakes[0].streams_closed == 1  # the upstream's request ends with it
+        assert [(r["in_flight"], r["requests"]) for r in replicas.describe()] == [(0, 1), (0, 0)]
         await replicas.stop()
 
     asyncio.run(scenario())
@@ -212,178 +273,63 @@ def test_a_returning_replica_gets_the_current_weights_before_traffic():
     asyncio.run(scenario())
 
 
-# -- two real vLLM servers ------------------------------------------------------------------
+# -- through the app, on two stand-in vLLMs -------------------------------------------------
 
 
-class SpareServer:
-    """A second vLLM for the tiny Qwen3 model that tests may kill -9 and restart on its port."""
+class Agent:
+    """One session's conversation with an in-process proxy, a turn at a time."""
 
-    def __init__(self, model: Path, log_dir: Path):
-        self.model, self.log_dir = model, log_dir
-        self.server = self._server(None)
+    def __init__(self, proxy_url: str, session: str):
+        self.url = f"{proxy_url}/s/{session}/v1/chat/completions"
+        self.messages: list[dict[str, Any]] = []
 
-    def _server(self, port: int | None) -> VLLMServer:
-        return VLLMServer(
-            str(self.model), port=port, max_model_len=MAX_MODEL_LEN, log_path=self.log_dir / "vllm.log"
-        )
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def ensure_running(self) -> None:
-        process = self.server.process
-        if process is None or process.poll() is not None:
-            self.server = self._server(self.server.port).start()
-
-    def kill9(self) -> None:
-        process = self.server.process
-        assert process is not None
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the group id is its pid
-        process.wait()
+    def turns(self, n: int) -> None:
+        for _ in range(n):
+            self.messages.append({"role": "user", "content": f"turn {len(self.messages)}"})
+            reply = httpx.post(self.url, json=chat_body(messages=self.messages), timeout=60)
+            assert reply.status_code == 200, reply.text
+            self.messages.append(reply.json()["choices"][0]["message"])
 
 
-@pytest.fixture(scope="module")
-def spare_vllm(qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpareServer]:
-    spare = SpareServer(qwen3_model, tmp_path_factory.mktemp("vllm-spare"))
-    spare.ensure_running()
-    yield spare
-    spare.server.stop()
-
-
-def served(url: str) -> float:
-    """Requests this vLLM server finished, by its own Prometheus counter."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total")
-    )
-
-
-class Where:
-    """Which server(s) answered since the last call, read from their counters."""
+class Served:
+    """Which stand-in vLLM(s) answered since the last call, read from their request logs."""
 
     def __init__(self, urls: list[str]):
         self.urls = urls
-        self.last = [served(u) for u in urls]
+        self.last = [0] * len(urls)
 
     def __call__(self) -> list[int]:
-        now = [served(u) for u in self.urls]
-        delta = [round(b - a) for a, b in zip(self.last, now, strict=True)]
+        now = [len(httpx.get(f"{url}/_generated").json()) for url in self.urls]
+        delta = [b - a for a, b in zip(self.last, now, strict=True)]
         self.last = now
         return delta
 
 
-def health(proxy) -> dict[str, Any]:
-    return httpx.get(f"{proxy.url}/health", timeout=10).json()
+def test_through_the_proxy_sessions_stick_and_new_ones_go_to_the_least_loaded(tmp_path):
+    """Placement end to end through the app, on two in-process stand-in vLLMs: placement
+    needs no real sampling."""
+    model = qwen3_tokenizer_dir()
+    with mock_vllm(model) as r0, mock_vllm(model) as r1:
+        settings = Settings(model=str(model), upstreams=[r0, r1], db_path=tmp_path / "s.db")
+        with serve_app(settings) as proxy:
 
+            def sessions() -> list[int]:
+                return [r["sessions"] for r in httpx.get(f"{proxy}/health").json()["replicas"]]
 
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
-
-
-def reward(proxy, session: str) -> None:
-    httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
-
-
-def test_real_replicas_keep_sessions_and_place_new_ones_on_the_least_loaded(
-    qwen3_model, qwen3_vllm, spare_vllm, start_proxy
-):
-    spare_vllm.ensure_running()
-    urls = [spare_vllm.url, qwen3_vllm.url]
-    proxy = start_proxy(qwen3_model, urls, "--tool-call-parser", "hermes")
-    conversation = weather_episode("hermes")
-    where = Where(urls)
-
-    def client(session: str) -> OpenAI:
-        return OpenAI(base_url=proxy.base_url(session), api_key="unused", max_retries=0)
-
-    first = play(client("first"), conversation, replies=2)
-    assert where() == [2, 0]
-    second = play(client("second"), conversation, replies=2)  # r0 holds a session, r1 none
-    assert where() == [0, 2]
-    play(client("first"), conversation, run=first)
-    play(client("second"), conversation, run=second)
-    assert where() == [3, 3]  # every turn on its session's replica
-    assert [r["sessions"] for r in health(proxy)["replicas"]] == [1, 1]
-    reward(proxy, "first")  # r0 is now the less loaded one
-    play(client("third"), conversation, replies=1)
-    assert where() == [1, 0]
-    play(client("fourth"), conversation, replies=1)  # a tie goes to the first listed
-    assert where() == [1, 0]
-    assert [r["sessions"] for r in health(proxy)["replicas"]] == [2, 1]
-
-
-def test_dead_replica_is_noticed_and_a_restarted_one_comes_back_with_the_current_weights(
-    qwen3_model, qwen3_vllm, spare_vllm, start_proxy
-):
-    spare_vllm.ensure_running()
-    urls = [spare_vllm.url, qwen3_vllm.url]
-    proxy = start_proxy(qwen3_model, urls, "--tool-call-parser", "hermes", "--health-interval", "0.5")
-    conversation = weather_episode("hermes")
-    try:
-        spare_vllm.kill9()
-        wait_until(lambda: not health(proxy)["replicas"][0]["healthy"], 30)  # no request needed
-        assert health(proxy)["status"] == "degraded"
-        # New weights while it is down (the base weights, labelled 5: the shared server's
-        # sampling stays the taught model's, so the episode below still follows its script).
-        refreshed = httpx.post(
-            f"{proxy.url}/v1/admin/weights", json={"path": str(qwen3_model), "version": 5}, timeout=300
-        )
-        assert refreshed.status_code == 200, refreshed.text
-        assert refreshed.json()["replicas"] == [qwen3_vllm.url]
-        play(OpenAI(base_url=proxy.base_url("meanwhile"), api_key="x"), conversation, replies=1)
-
-        spare_vllm.ensure_running()  # boots with its original weights, labelled "default"
-        wait_until(lambda: health(proxy)["replicas"][0]["healthy"], 120)
-        assert httpx.get(f"{spare_vllm.url}/weight_info").json()["weight_version"] == "5"
-        assert [r["weight_version"] for r in health(proxy)["replicas"]] == [5, 5]
-
-        where = Where(urls)
-        replies = play(OpenAI(base_url=proxy.base_url("back"), api_key="x"), conversation).replies
-        assert where() == [5, 0]  # the least loaded again: "meanwhile" holds r1
-        reward(proxy, "back")
-        [trajectory] = [t for t in trajectories(proxy.url) if t["session_id"] == "back"]
-        assert [t["completion_id"] for t in trajectory["turns"]] == [r.id for r in replies]
-        sampled = [
-            v for v, m in zip(trajectory["weight_versions"], trajectory["loss_mask"], strict=True) if m
-        ]
-        assert set(sampled) == {5}
-        assert_exact(trajectory, qwen3_model)
-    finally:
-        # The shared server serves other tests: put its label back to 0, through a proxy of
-        # its own (this one refuses a version that goes back).
-        fresh = start_proxy(qwen3_model, qwen3_vllm)
-        httpx.post(
-            f"{fresh.url}/v1/admin/weights", json={"path": str(qwen3_model), "version": 0}, timeout=300
-        )
-
-
-def test_killing_the_sessions_replica_mid_episode_finishes_it_exactly_on_the_other(
-    qwen3_model, qwen3_vllm, spare_vllm, start_proxy
-):
-    spare_vllm.ensure_running()
-    urls = [spare_vllm.url, qwen3_vllm.url]
-    # A long health interval: the request itself finds the dead replica and fails over.
-    proxy = start_proxy(qwen3_model, urls, "--tool-call-parser", "hermes", "--health-interval", "600")
-    conversation = weather_episode("hermes")
-    client = OpenAI(base_url=proxy.base_url("survivor"), api_key="unused", max_retries=0)
-    where = Where(urls)
-    run = play(client, conversation, replies=2)
-    assert where() == [2, 0]
-    spare_vllm.kill9()
-    run = play(client, conversation, run=run)
-    assert len(run.replies) == 5
-    assert served(qwen3_vllm.url) - where.last[1] == 3
-    assert [r["healthy"] for r in health(proxy)["replicas"]] == [False, True]
-    description = httpx.get(f"{proxy.url}/v1/sessions/survivor").json()
-    assert len(description["segments"]) == 1, description
-    reward(proxy, "survivor")
-    [trajectory] = trajectories(proxy.url)
-    assert trajectory["segment"] == 0
-    assert [t["completion_id"] for t in trajectory["turns"]] == [r.id for r in run.replies]
-    assert_exact(trajectory, qwen3_model)
+            where = Served([r0, r1])
+            first, second = Agent(proxy, "first"), Agent(proxy, "second")
+            first.turns(2)
+            assert where() == [2, 0]
+            second.turns(2)  # r0 holds a session, r1 none
+            assert where() == [0, 2]
+            first.turns(3)
+            second.turns(3)
+            assert where() == [3, 3]  # every turn on its session's replica
+            assert sessions() == [1, 1]
+            rewarded = httpx.post(f"{proxy}/v1/rewards", json={"session_id": "first", "reward": 1.0})
+            rewarded.raise_for_status()  # r0 is now the less loaded one
+            Agent(proxy, "third").turns(1)
+            assert where() == [1, 0]
+            Agent(proxy, "fourth").turns(1)  # a tie goes to the first listed
+            assert where() == [1, 0]
+            assert sessions() == [2, 1]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from devtools import tokenizer_source
 from molt_proxy.stitching import commit_turn, plan_prompt
-from molt_proxy.tinymodel import tokenizer_source
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, Segment
 

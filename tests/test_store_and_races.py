@@ -19,12 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from molt_proxy import store as store_module
 from molt_proxy.config import Settings
 from molt_proxy.sessions import Sessions
 from molt_proxy.stitching import PromptPlan
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation, SessionStatus
+from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
+from molt_proxy.wire.openai import encode_reply
 from tests.inprocess import chat_body, inprocess_proxy, mock_vllm, qwen3_tokenizer_dir, serve_app
 
 TRIALS = 20
@@ -118,7 +120,6 @@ async def _record(store: Store, tokenizer: Tokenizer, seed: int = 0) -> Sessions
     random ids and logprobs (which compress worst: a real conversation repeats itself)."""
     rng = random.Random(seed)
     sessions = Sessions(store, tokenizer, "tiny")
-    reply = {"id": "chatcmpl-x", "choices": [{"message": {"role": "assistant", "content": "ok"}}]}
     for i in range(SESSIONS):
         session = await sessions.create(f"s{i}")
         for t in range(TURNS):
@@ -128,7 +129,10 @@ async def _record(store: Store, tokenizer: Tokenizer, seed: int = 0) -> Sessions
                 sampled, [_float32(-rng.expovariate(2.0)) for _ in sampled], [t] * len(sampled), "stop"
             )
             plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), continues=t > 0)
-            await sessions.record(session, plan, generation, f"c{i}-{t}", f"h{i}-{t}", reply)
+            reply = RecordedReply(
+                f"c{i}-{t}", 0, "tiny", ParsedReply("ok"), "stop", len(prompt), len(sampled)
+            )
+            await sessions.record(session, plan, generation, f"h{i}-{t}", reply)
     return sessions
 
 
@@ -332,3 +336,60 @@ def test_a_broken_checkpoint_is_refused_before_vllm_is_touched(weights_proxy, tm
     _assert_refused(_push(url, tmp_path / "file", 1), "path")
     _assert_refused(_push(url, "relative/folder", 1), "path")
     assert _calls(upstream) == []
+
+
+def test_a_turn_an_older_proxy_stored_with_its_openai_reply_is_replayed_the_same(tmp_path, tokenizer):
+    """Turn rows written before replies were kept format-neutral hold the OpenAI reply: a
+    retry after the upgrade must get the very same body, and the echoed call ids still count."""
+    old_reply = {
+        "id": "chatcmpl-old",
+        "object": "chat.completion",
+        "created": 5,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                },
+                "logprobs": None,
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+        "session_id": "s",
+    }
+    db = sqlite3.connect(tmp_path / "old.db")
+    db.executescript(store_module._SCHEMA)
+    db.execute("INSERT INTO sessions (id, inferred, status, created) VALUES ('s', 1, 'open', 0)")
+    db.execute(
+        "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
+        " versions, finish_reason, created, request_hash, reply) VALUES ('chatcmpl-old', 's', 0, ?, ?, ?, ?,"
+        " 'stop', 0, 'h', ?)",
+        (
+            store_module._pack("i", [1, 2]),
+            store_module._pack("i", [3]),
+            store_module._pack("d", [-0.5]),
+            store_module._pack("i", [0]),
+            json.dumps(old_reply),
+        ),
+    )
+    db.commit()
+    db.close()
+
+    async def scenario() -> None:
+        store = Store(tmp_path / "old.db")
+        await store.open()
+        sessions = Sessions(store, tokenizer, "tiny")
+        await sessions.recover()
+        session = sessions.get("s")
+        assert session.last_reply is not None and session.last_reply.finish_reason == "stop"
+        assert encode_reply(session.last_reply, "s") == old_reply
+        assert session.call_ids == {"call-1"}
+        await store.close()
+
+    asyncio.run(scenario())

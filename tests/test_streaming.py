@@ -10,7 +10,7 @@ import time
 import httpx
 from openai import OpenAI
 
-from molt_proxy.tinymodel import thinking_episode, weather_episode
+from devtools import thinking_episode, weather_episode
 from tests.helpers import assert_exact, play, trajectories
 
 

@@ -4,7 +4,9 @@ the trainer's current weights; meanwhile requests fail over, or get 503 with `Re
 Also: a seeded prompt long enough for chunked prefill no longer kills CPU vLLM.
 
 The restart policy is checked first on a cheap real process (no vLLM: the policy is about
-processes and time); then on real vLLM servers on CPU, launched by `serve`.
+processes and time); then on a real vLLM server on CPU, launched by `serve` (what vLLM itself
+does: the seed workaround, its orphaned engine, the weights and exact ids after a relaunch);
+then the proxy's failover around a hung replica, on stand-in vLLM processes it supervises.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from devtools import weather_episode
 from molt_proxy.config import Settings
 from molt_proxy.launcher import ProcessState, Supervisor, VLLMServer, free_port
-from molt_proxy.tinymodel import weather_episode
 from tests.conftest import ProxyProcess
 from tests.helpers import assert_exact, play, trajectories
-from tests.inprocess import chat_body, qwen3_tokenizer_dir, serve_app
+from tests.inprocess import chat_body, mock_vllm_process, qwen3_tokenizer_dir, serve_app
 
 # -- the restart policy, on a process that is not vLLM ------------------------------------------
 
@@ -255,39 +257,73 @@ def test_seeded_long_prompt_answers_and_a_killed_vllm_is_relaunched_mid_episode_
     assert_exact(trajectory, qwen3_model)
 
 
-@pytest.mark.timeout(900)
-def test_a_hung_replica_is_taken_out_traffic_continues_on_the_other_and_it_is_relaunched(
-    digits_model, launch
-):
-    proxy = launch(
-        digits_model, "--max-model-len", "256", "--replicas", "2",
-        "--health-interval", "0.5", "--health-timeout", "3",
-    )  # fmt: skip
-    assert chat(proxy, "a", "1+1").status_code == 200  # sticks to the first replica (a tie)
-    hung, other = launch.health(proxy)["replicas"]
-    assert hung["sessions"] == 1 and other["sessions"] == 0
+# -- supervised stand-in vLLM processes, behind the in-process proxy ---------------------------
 
-    os.killpg(
-        hung["process"]["pid"], signal.SIGSTOP
-    )  # the whole server freezes: connections accepted, no answers
-    # Session "a"'s next turn goes to the hung replica unless the watcher was faster; either
-    # way it is answered: a hung launched server is killed, and what was in flight on it fails over.
-    assert chat(proxy, "a", "2+2").status_code == 200
-    wait_until(lambda: not launch.health(proxy)["replicas"][0]["healthy"], 30, "the hung replica is out")
-    assert chat(proxy, "b", "3+3").status_code == 200
-    now = launch.health(proxy)
-    assert now["status"] == "degraded"
-    assert [r["sessions"] for r in now["replicas"]] == [0, 2]  # "a" moved, "b" placed on the other
 
-    wait_until(
-        lambda: launch.health(proxy)["replicas"][0]["healthy"], 300, "the killed replica is relaunched"
-    )
-    back, other = launch.health(proxy)["replicas"]
-    assert (
-        back["url"] == hung["url"]
-        and back["process"]["restarts"] == 1
-        and back["process"]["pid"] != hung["process"]["pid"]
-    )
-    assert other["process"]["restarts"] == 0 and other["healthy"]
-    assert group_members(hung["process"]["pid"]) == [], "the hung server was killed with its whole group"
-    assert chat(proxy, "c", "4+4").status_code == 200
+class Supervised:
+    """Two stand-in vLLM processes (`tests/inprocess.py`) that the in-process app supervises as
+    `serve` supervises the vLLM servers it launched: the watcher's kill, failover and relaunch
+    are the proxy's, and a stand-in boots in a second where a CPU vLLM takes minutes."""
+
+    def __init__(self, tmp_path: Path):
+        model = qwen3_tokenizer_dir()
+        self.servers = [mock_vllm_process(model, tmp_path / f"mock{i}.log") for i in range(2)]
+        for server in self.servers:
+            server.wait(timeout_s=60)
+        self.supervisors = {server.url: Supervisor(server) for server in self.servers}
+        self.settings = Settings(
+            model=str(model),
+            upstreams=[server.url for server in self.servers],
+            db_path=tmp_path / "p.db",
+            health_interval_s=0.5,
+            health_timeout_s=3,
+        )
+
+    def close(self) -> None:
+        for server in self.servers:  # a relaunched one is the same object, with its new process
+            server.kill()
+
+
+@pytest.fixture
+def supervised(tmp_path: Path) -> Iterator[Supervised]:
+    processes = Supervised(tmp_path)
+    yield processes
+    processes.close()
+
+
+def test_a_hung_replica_is_taken_out_traffic_continues_on_the_other_and_it_is_relaunched(supervised):
+    with serve_app(supervised.settings, supervised.supervisors) as url:
+
+        def chat(session: str, content: str) -> httpx.Response:
+            body = chat_body(content, max_tokens=2)
+            return httpx.post(f"{url}/s/{session}/v1/chat/completions", json=body, timeout=120)
+
+        def health() -> dict[str, Any]:
+            return httpx.get(f"{url}/health", timeout=10).json()
+
+        assert chat("a", "1+1").status_code == 200  # sticks to the first replica (a tie)
+        hung, other = health()["replicas"]
+        assert hung["sessions"] == 1 and other["sessions"] == 0
+
+        os.killpg(
+            hung["process"]["pid"], signal.SIGSTOP
+        )  # the whole server freezes: connections accepted, no answers
+        # Session "a"'s next turn goes to the hung replica unless the watcher was faster; either
+        # way it is answered: a hung launched server is killed, and what was in flight on it fails over.
+        assert chat("a", "2+2").status_code == 200
+        wait_until(lambda: not health()["replicas"][0]["healthy"], 30, "the hung replica is out")
+        assert chat("b", "3+3").status_code == 200
+        now = health()
+        assert now["status"] == "degraded"
+        assert [r["sessions"] for r in now["replicas"]] == [0, 2]  # "a" moved, "b" placed on the other
+
+        wait_until(lambda: health()["replicas"][0]["healthy"], 300, "the killed replica is relaunched")
+        back, other = health()["replicas"]
+        assert (
+            back["url"] == hung["url"]
+            and back["process"]["restarts"] == 1
+            and back["process"]["pid"] != hung["process"]["pid"]
+        )
+        assert other["process"]["restarts"] == 0 and other["healthy"]
+        assert group_members(hung["process"]["pid"]) == [], "the hung server was killed with its whole group"
+        assert chat("c", "4+4").status_code == 200

@@ -1,6 +1,7 @@
 """The taught tiny models write their scripted replies, in formats vLLM's parsers read back.
 
-Real tokenizers and chat templates from ../shared/tokenizers; no hub, no fakes. The two
+Real tokenizers and chat templates from ../shared/tokenizers (or $MOLT_PROXY_TOKENIZERS); no
+hub, no fakes. The two
 models are built (and taught) once per module.
 """
 
@@ -13,15 +14,17 @@ from typing import Any
 
 import pytest
 
-from molt_proxy.tinymodel import (
+from devtools import (
     DEFAULT_SCRIPTS,
     Arch,
     Conversation,
+    build_tiny_model,
     render_reply,
     thinking_episode,
     tokenizer_source,
     weather_episode,
 )
+from devtools.tokenizers import CHECKOUT_DEFAULT
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -120,13 +123,23 @@ def test_llama3_json_rejects_what_its_template_cannot_print():
         render_reply({"role": "assistant", "content": "x", "reasoning_content": "y"}, "llama3_json")
 
 
+def test_the_tokenizers_folder_comes_from_the_environment_else_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOLT_PROXY_TOKENIZERS", raising=False)
+    if tokenizer_source("qwen3") is not None:
+        assert tokenizer_source("qwen3") == CHECKOUT_DEFAULT / "qwen3"
+    (tmp_path / "llama3.2").mkdir()
+    (tmp_path / "llama3.2" / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("MOLT_PROXY_TOKENIZERS", str(tmp_path))
+    assert tokenizer_source("llama") == tmp_path / "llama3.2"
+    assert tokenizer_source("qwen3") is None
+    assert tokenizer_source("qwen3", CHECKOUT_DEFAULT) in (None, CHECKOUT_DEFAULT / "qwen3")
+
+
 # --- The taught models ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[Arch, Path]:
-    from molt_proxy.tinymodel import build_tiny_model
-
     built: dict[Arch, Path] = {}
     for arch in ("qwen3", "llama"):
         _tokenizer(arch)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from devtools import tokenizer_source
 from molt_proxy.errors import BadRequest
-from molt_proxy.tinymodel import tokenizer_source
 from molt_proxy.tokenizer import Tokenizer
 
 

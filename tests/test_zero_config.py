@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from molt_proxy.tinymodel import WEATHER_TOOL
+from devtools import WEATHER_TOOL
 from tests.conftest import ProxyProcess
 from tests.helpers import assert_exact, reply_as_message, trajectories
 

@@ -1,13 +1,62 @@
-"""The trainer's settings: every default and cross-field check in one place."""
+"""The trainer's settings: every default and cross-field check in one place. Imports no
+torch, so the command line (`molt-proxy serve --help`) builds in milliseconds."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Literal
 
+from molt_proxy.config import default
 from trainer.advantage import Estimator
-from trainer.loss import LossConfig
+
+IsMode = Literal["truncate", "mask"]
+IsLevel = Literal["token", "sequence"]
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """The policy loss's knobs; `trainer/loss.py` has the formula they enter."""
+
+    clip_low: float = 0.2
+    """Where A < 0, r is clipped below 1 - clip_low (0.2 as in PPO, Schulman et al. 2017)."""
+    clip_high: float = 0.28
+    """Where A > 0, r is clipped above 1 + clip_high. Above clip_low ("clip-higher", DAPO):
+    unlikely tokens with a positive advantage may gain more, which slows entropy collapse."""
+    is_mode: IsMode = "truncate"
+    """truncate: w = min(ratio, is_high) (TIS, Yao et al. 2025); every token trains, the
+    variance is bounded, at a small bias. mask: w = ratio inside [is_low, is_high], else 0;
+    tokens the trainer and the sampler disagree about are dropped instead of trusted a bit."""
+    is_level: IsLevel = "token"
+    """token: a ratio per token. sequence: the geometric mean of the token ratios over the
+    sequence's kept tokens, shared by all of them; a sequence is judged (and masked) whole.
+    The geometric mean sits much closer to 1, so the sequence level wants tighter bounds."""
+    is_low: float = 0.5
+    """Lower bound of `mask`; `truncate` ignores it."""
+    is_high: float = 2.0
+    """Cap of `truncate` and upper bound of `mask` (C = 2 as in TIS)."""
+    max_staleness: int | None = 4
+    """Sampled tokens more than this many weight versions older than the trainer's are
+    withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
+    this is) trains well a few versions behind once decoupled PPO corrects for it."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.is_mode not in ("truncate", "mask"):
+            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
+        if self.is_level not in ("token", "sequence"):
+            raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
+        if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
+            raise ValueError(
+                f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
+            )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
 
 
 @dataclass(slots=True)
@@ -69,28 +118,37 @@ class TrainerConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trainer's flags; each default is the field's own, above or on `LossConfig`."""
+    train, loss = partial(default, TrainerConfig), partial(default, LossConfig)
     group = parser.add_argument_group("trainer")
     group.add_argument(
         "--train-out", default="runs/train", help="checkpoints, weights, metrics, reward curve"
     )
-    group.add_argument("--group-size", type=int, default=8)
-    group.add_argument("--group-timeout", type=float, default=60.0)
-    group.add_argument("--groups-per-step", type=int, default=4)
-    group.add_argument("--max-steps", type=int, default=100)
-    group.add_argument("--estimator", choices=[e.value for e in Estimator], default="grpo")
-    group.add_argument("--lr", type=float, default=1e-5)
-    group.add_argument("--micro-batch-size", type=int, default=16)
+    group.add_argument("--group-size", type=int, default=train("group_size"))
+    group.add_argument("--group-timeout", type=float, default=train("group_timeout_s"))
+    group.add_argument("--groups-per-step", type=int, default=train("groups_per_step"))
+    group.add_argument("--max-steps", type=int, default=train("max_steps"))
+    group.add_argument("--estimator", choices=[e.value for e in Estimator], default=train("estimator").value)
+    group.add_argument("--lr", type=float, default=train("lr"))
+    group.add_argument("--micro-batch-size", type=int, default=train("micro_batch_size"))
     group.add_argument(
-        "--ppo-epochs", type=int, default=1, help="passes over each step's data (clip acts at >1)"
+        "--ppo-epochs",
+        type=int,
+        default=train("ppo_epochs"),
+        help="passes over each step's data (clip acts at >1)",
     )
-    group.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per epoch")
-    group.add_argument("--refresh-every", type=int, default=1)
-    group.add_argument("--max-staleness", type=int, default=4)
-    group.add_argument("--is-mode", choices=["truncate", "mask"], default="truncate")
-    group.add_argument("--is-level", choices=["token", "sequence"], default="token")
-    group.add_argument("--num-workers", type=int, default=1, help=">1: FSDP2 data-parallel workers")
+    group.add_argument(
+        "--mini-batches", type=int, default=train("mini_batches"), help="optimizer steps per epoch"
+    )
+    group.add_argument("--refresh-every", type=int, default=train("refresh_every"))
+    group.add_argument("--max-staleness", type=int, default=loss("max_staleness"))
+    group.add_argument("--is-mode", choices=["truncate", "mask"], default=loss("is_mode"))
+    group.add_argument("--is-level", choices=["token", "sequence"], default=loss("is_level"))
+    group.add_argument(
+        "--num-workers", type=int, default=train("num_workers"), help=">1: FSDP2 data-parallel workers"
+    )
     group.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=train("seed"))
     group.add_argument(
         "--train-greedy",
         action="store_true",

@@ -32,60 +32,12 @@ not a change of the sample, and N must be known before any micro-batch's forward
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-IsMode = Literal["truncate", "mask"]
-IsLevel = Literal["token", "sequence"]
+from trainer.config import LossConfig
 
-# 1. Configuration ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LossConfig:
-    clip_low: float = 0.2
-    """Where A < 0, r is clipped below 1 - clip_low (0.2 as in PPO, Schulman et al. 2017)."""
-    clip_high: float = 0.28
-    """Where A > 0, r is clipped above 1 + clip_high. Above clip_low ("clip-higher", DAPO):
-    unlikely tokens with a positive advantage may gain more, which slows entropy collapse."""
-    is_mode: IsMode = "truncate"
-    """truncate: w = min(ratio, is_high) (TIS, Yao et al. 2025); every token trains, the
-    variance is bounded, at a small bias. mask: w = ratio inside [is_low, is_high], else 0;
-    tokens the trainer and the sampler disagree about are dropped instead of trusted a bit."""
-    is_level: IsLevel = "token"
-    """token: a ratio per token. sequence: the geometric mean of the token ratios over the
-    sequence's kept tokens, shared by all of them; a sequence is judged (and masked) whole.
-    The geometric mean sits much closer to 1, so the sequence level wants tighter bounds."""
-    is_low: float = 0.5
-    """Lower bound of `mask`; `truncate` ignores it."""
-    is_high: float = 2.0
-    """Cap of `truncate` and upper bound of `mask` (C = 2 as in TIS)."""
-    max_staleness: int | None = 4
-    """Sampled tokens more than this many weight versions older than the trainer's are
-    withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
-    this is) trains well a few versions behind once decoupled PPO corrects for it."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.is_mode not in ("truncate", "mask"):
-            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
-        if self.is_level not in ("token", "sequence"):
-            raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
-        if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
-            raise ValueError(
-                f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
-            )
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-
-
-# 2. Which tokens count ----------------------------------------------------------------------
+# 1. Which tokens count ----------------------------------------------------------------------
 
 
 def _kept(loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig) -> Tensor:
@@ -106,7 +58,7 @@ def count_loss_tokens(
     return int(_kept(loss_mask, weight_versions, current_version, config).sum())
 
 
-# 3. Train/rollout importance weights --------------------------------------------------------
+# 2. Train/rollout importance weights --------------------------------------------------------
 
 
 def _importance_weights(log_ratio: Tensor, kept: Tensor, config: LossConfig) -> tuple[Tensor, Tensor]:
@@ -125,7 +77,7 @@ def _importance_weights(log_ratio: Tensor, kept: Tensor, config: LossConfig) -> 
     return ratio, torch.where(inside, ratio, torch.zeros_like(ratio))
 
 
-# 4. The loss --------------------------------------------------------------------------------
+# 3. The loss --------------------------------------------------------------------------------
 
 
 def policy_loss(

@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trainer.batch import Batch
-from trainer.loss import LossConfig, count_loss_tokens, policy_loss
+from trainer.config import LossConfig
+from trainer.loss import count_loss_tokens, policy_loss
 from trainer.sampling import TokenSampling, processed_logprobs
 
 # 1. Logprobs --------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.batch import Batch
-from trainer.loss import LossConfig, count_loss_tokens
+from trainer.config import LossConfig
+from trainer.loss import count_loss_tokens
 from trainer.policy import Policy, merge_metrics
 
 

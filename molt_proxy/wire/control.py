@@ -1,5 +1,6 @@
-"""Request bodies of the JSON routes: the reward body as a model, and the schemas the served
-OpenAPI declares for every POST body (so clients and fuzzers see what each route takes).
+"""Request bodies of the JSON routes: the reward body as a model, the session and weights
+bodies' decoders, and the schemas the served OpenAPI declares for every POST body (so clients
+and fuzzers see what each route takes).
 
 Every body goes through `decode_json_object` first; the models here then check shape and
 type. The chat route keeps its raw bytes (it hashes them and needs the messages exactly as
@@ -46,6 +47,30 @@ class RewardBody(BaseModel):
         if (reward.session_id is None) == (reward.completion_id is None):
             raise BadRequest("give exactly one of 'session_id' and 'completion_id'", param="session_id")
         return reward
+
+
+def decode_session_body(body: bytes) -> tuple[str | None, str | None]:
+    """`POST /v1/sessions`: the optional `session_id` and `group_id` (an empty body is none)."""
+    data = decode_json_object(body, allow_empty=True)
+    return optional_str(data, "session_id"), optional_str(data, "group_id")
+
+
+def decode_weights_body(body: bytes) -> tuple[str, object]:
+    """`POST /v1/admin/weights`: the folder, and the version as sent (`weights.check_version`
+    checks it against the store)."""
+    data = decode_json_object(body)
+    path = optional_str(data, "path")
+    if path is None:
+        raise BadRequest("'path' is required", param="path")
+    return path, data.get("version")
+
+
+def optional_str(data: dict[str, Any], key: str) -> str | None:
+    """`data[key]`: absent (None) or a non-empty string."""
+    value = data.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadRequest(f"'{key}' must be a non-empty string", param=key)
+    return value
 
 
 def validated(model: type[M], data: dict[str, Any]) -> M:

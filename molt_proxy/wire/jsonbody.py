@@ -53,29 +53,39 @@ def check_json_safe(value: Any, param: str = "") -> None:
     stack: list[tuple[Any, int, str]] = [(value, 0, param)]
     while stack:
         item, depth, path = stack.pop()
-        if isinstance(item, str):
-            if _LONE_SURROGATE.search(item):
-                raise BadRequest(f"'{path}' holds a lone UTF-16 surrogate", param=path or None)
-        elif isinstance(item, bool) or item is None:
-            continue
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                raise BadRequest(f"'{path}' must be a finite number", param=path or None)
-        elif item is _OUT_OF_RANGE or isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
-            raise BadRequest(f"'{path}' is an integer out of the 64-bit range", param=path or None)
-        elif isinstance(item, int):
-            continue
-        elif isinstance(item, dict | list):
+        if isinstance(item, dict | list):
             if depth >= MAX_DEPTH:
                 raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", param=path or None)
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            for key, child in pairs:
-                child_path = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and _LONE_SURROGATE.search(key):
-                    raise BadRequest("a key holds a lone UTF-16 surrogate", param=path or None)
-                stack.append((child, depth + 1, child_path))
+            stack.extend(_children(item, depth, path))
         else:
-            raise BadRequest(f"'{path}' is a {type(item).__name__}, not JSON", param=path or None)
+            _check_leaf(item, path)
+
+
+def _children(item: dict[Any, Any] | list[Any], depth: int, path: str) -> list[tuple[Any, int, str]]:
+    """The values in a container, each with its depth and path; a key must be safe too."""
+    pairs = item.items() if isinstance(item, dict) else enumerate(item)
+    children = []
+    for key, child in pairs:
+        if isinstance(key, str) and _LONE_SURROGATE.search(key):
+            raise BadRequest("a key holds a lone UTF-16 surrogate", param=path or None)
+        children.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+    return children
+
+
+def _check_leaf(item: Any, path: str) -> None:
+    """A string without lone surrogates, a finite float, an int64, a bool or null."""
+    if isinstance(item, str):
+        if _LONE_SURROGATE.search(item):
+            raise BadRequest(f"'{path}' holds a lone UTF-16 surrogate", param=path or None)
+    elif isinstance(item, bool) or item is None:
+        return
+    elif isinstance(item, float):
+        if not math.isfinite(item):
+            raise BadRequest(f"'{path}' must be a finite number", param=path or None)
+    elif item is _OUT_OF_RANGE or isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+        raise BadRequest(f"'{path}' is an integer out of the 64-bit range", param=path or None)
+    elif not isinstance(item, int):
+        raise BadRequest(f"'{path}' is a {type(item).__name__}, not JSON", param=path or None)
 
 
 _OUT_OF_RANGE = object()

@@ -1,5 +1,10 @@
 """OpenAI Chat Completions on the wire: request decoding, sampling fields, reply encoding.
 
+A request decodes into a `ChatCall`: the conversation the chat template renders (messages,
+tools), vLLM's validated request (sampling, stop conditions, the parsers' switches) and the
+session hints in it (metadata, echoed tool-call ids). A turn's `RecordedReply` encodes back as
+a whole reply or as stream chunks; `finish_reason` becomes OpenAI's here, and only here.
+
 Requests are validated with vLLM's own `ChatCompletionRequest` (so every field vLLM accepts
 means here what it means there), plus the checks vLLM leaves to the chat template: known
 roles, content where a role needs it, text-only content.
@@ -7,9 +12,9 @@ roles, content where a role needs it, text-only content.
 
 from __future__ import annotations
 
-import json
 import math
-import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +24,10 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.exceptions import VLLMValidationError
 
 from molt_proxy.errors import BadRequest
-from molt_proxy.parsing import ParsedReply
+from molt_proxy.types import ParsedReply, RecordedReply
+from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
 from molt_proxy.wire.jsonbody import decode_json_object
+from molt_proxy.wire.sse import DONE, data_event
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _NEEDS_CONTENT = frozenset({"system", "developer", "user", "tool", "function"})
@@ -190,6 +197,14 @@ def echoed_call_ids(call: ChatCall) -> frozenset[str]:
     return frozenset(ids)
 
 
+def metadata_session(call: ChatCall) -> str | None:
+    """The session id a request names in `metadata.session_id`, if any."""
+    value = call.metadata.get("session_id")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
+    return value
+
+
 def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
     return dict(request.chat_template_kwargs or {})
 
@@ -249,60 +264,109 @@ def delta_fields(delta: DeltaMessage) -> dict[str, Any]:
     return fields
 
 
-def reply_as_delta(reply: dict[str, Any]) -> dict[str, Any]:
-    """A whole recorded reply as one delta (replaying a retried streaming request)."""
-    message = dict(reply["choices"][0]["message"])
-    message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
-    return {k: v for k, v in message.items() if v or k == "role"}
+def finish_reason(reply: RecordedReply) -> str:
+    """OpenAI's `finish_reason`: a stop that made tool calls is `tool_calls`; else vLLM's."""
+    if reply.message.tool_calls and reply.finish_reason == "stop":
+        return "tool_calls"
+    return reply.finish_reason
 
 
-def encode_chunk(
-    *,
-    completion_id: str,
-    created: int,
-    model: str,
-    session_id: str,
-    delta: dict[str, Any] | None,
-    finish_reason: str | None = None,
-    usage: dict[str, int] | None = None,
-) -> str:
-    """One server-sent event of a streamed reply; `delta=None` is the trailing usage chunk."""
-    chunk: dict[str, Any] = {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        "session_id": session_id,
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return f"data: {json.dumps(chunk)}\n\n"
-
-
-def encode_reply(
-    *,
-    completion_id: str,
-    model: str,
-    reply: ParsedReply,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    session_id: str,
-) -> dict[str, Any]:
+def _message(reply: ParsedReply) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.reasoning_content is not None:
         message["reasoning_content"] = reply.reasoning_content
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
+    return message
+
+
+def encode_reply(reply: RecordedReply, session_id: str) -> dict[str, Any]:
+    """The `chat.completion` body of a turn (or of its replay: the same bytes again)."""
     return {
-        "id": completion_id,
+        "id": reply.completion_id,
         "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": _message(reply.message),
+                "logprobs": None,
+                "finish_reason": finish_reason(reply),
+            }
+        ],
+        "usage": usage(reply.prompt_tokens, reply.completion_tokens),
         "session_id": session_id,
     }
+
+
+def _whole_delta(reply: ParsedReply) -> dict[str, Any]:
+    """A whole reply as one delta (replaying a retried streaming request)."""
+    message = _message(reply)
+    message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+    return {k: v for k, v in message.items() if v or k == "role"}
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkStream:
+    """The events of one streamed reply: every chunk carries its id, time, model and session."""
+
+    completion_id: str
+    created: int
+    model: str
+    session_id: str
+
+    def chunk(
+        self,
+        delta: dict[str, Any] | None,
+        finish_reason: str | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> str:
+        """One `chat.completion.chunk` event; `delta=None` is the trailing usage chunk."""
+        chunk: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": []
+            if delta is None
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "session_id": self.session_id,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return data_event(chunk)
+
+    def closing(self, reply: RecordedReply, last: dict[str, Any], with_usage: bool) -> list[str]:
+        """The last events: the last delta with the finish reason, usage if asked, `[DONE]`."""
+        events = [self.chunk(last, finish_reason(reply))]
+        if with_usage:
+            events.append(self.chunk(None, usage=usage(reply.prompt_tokens, reply.completion_tokens)))
+        return [*events, DONE]
+
+    @classmethod
+    def replay(cls, reply: RecordedReply, session_id: str, with_usage: bool) -> list[str]:
+        """A recorded reply streamed again, whole, for a retried streaming request."""
+        stream = cls(reply.completion_id, reply.created, reply.model, session_id)
+        return stream.closing(reply, _whole_delta(reply.message), with_usage)
+
+
+async def encode_stream(events: AsyncGenerator[StreamEvent], with_usage: bool) -> AsyncIterator[str]:
+    """A streamed turn as OpenAI's server-sent events: a role chunk once vLLM answers, a chunk
+    per delta, then the finish reason, usage (if asked) and `[DONE]`. Closing this closes
+    `events`, and with them the turn."""
+    chunks: ChunkStream | None = None
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, Replayed):
+                for line in ChunkStream.replay(event.reply, event.session_id, with_usage):
+                    yield line
+            elif isinstance(event, Opened):
+                chunks = ChunkStream(event.completion_id, event.created, event.model, event.session_id)
+                yield chunks.chunk({"role": "assistant", "content": ""})
+            elif isinstance(event, Delta) and chunks is not None and (fields := delta_fields(event.delta)):
+                yield chunks.chunk(fields)
+            elif isinstance(event, Closed) and chunks is not None:
+                last = delta_fields(event.last) if event.last is not None else {}
+                for line in chunks.closing(event.reply, last, with_usage):
+                    yield line

@@ -48,8 +48,7 @@ def _agents(proxy_url: str, stop_file: Path) -> subprocess.Popen:
 import itertools, sys, httpx
 from pathlib import Path
 from openai import OpenAI
-sys.path.insert(0, {str(ROOT / "examples")!r})
-from learn_digits import digit_share
+from devtools import digit_share
 http = httpx.Client(base_url={proxy_url!r}, timeout=120)
 for episode in itertools.count():
     if Path({str(stop_file)!r}).exists():

@@ -11,7 +11,7 @@ import httpx
 import torch
 from openai import OpenAI
 
-from molt_proxy.tinymodel import Conversation, thinking_episode, weather_episode
+from devtools import Conversation, thinking_episode, weather_episode
 from molt_proxy.types import Trajectory
 from tests.helpers import forward_logprobs, reply_as_message, trajectories
 from trainer.batch import collate

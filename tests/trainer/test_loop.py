@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_proxy.tinymodel import build_tiny_model
+from devtools import build_tiny_model
 from molt_proxy.types import Trajectory
 from tests.trainer.builders import trajectory
 from trainer import checkpoint, loop

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from molt_proxy.tinymodel import build_tiny_model
+from devtools import build_tiny_model
 from molt_proxy.types import Trajectory
 from tests.trainer.builders import trajectory
 from trainer.batch import Batch, collate

@@ -12,7 +12,9 @@ from openai import OpenAI
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from molt_proxy.config import Settings
 from tests.helpers import reply_as_message
+from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
 
 
 def perturbed_weights(base, out, version: int):
@@ -139,21 +141,25 @@ def test_refresh_under_load_is_invisible_to_agents_and_versions_are_exact(
     assert sampled != greedy_ids(digits_model, prompt, 12), "the refresh must change the policy"
 
 
-def test_refresh_refuses_a_bad_weights_folder_before_touching_vllm(
-    digits_model, digits_vllm, start_proxy, tmp_path
-):
-    proxy = start_proxy(digits_model, digits_vllm)
-    (tmp_path / "empty").mkdir()
-    for body, param in (
-        ({"path": "relative/dir", "version": 1}, "path"),
-        ({"path": str(tmp_path / "empty"), "version": 1}, "path"),
-        ({"path": str(digits_model), "version": -1}, "version"),
-        ({"version": 1}, "path"),
-    ):
-        response = httpx.post(f"{proxy.url}/v1/admin/weights", json=body)
-        assert response.status_code == 400 and response.json()["error"]["param"] == param
-    # The replica still serves (a failed reload would have left its engine dead).
-    client = OpenAI(base_url=proxy.base_url("alive"), api_key="x")
-    assert client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-    ).id
+def test_refresh_refuses_a_bad_weights_folder_before_touching_vllm(digits_model, tmp_path):
+    # The refusal is the proxy's own, so the stand-in vLLM serves here, and its log of calls
+    # shows that nothing reached it.
+    model = qwen3_tokenizer_dir()
+    with mock_vllm(model) as upstream:
+        settings = Settings(model=str(model), upstreams=[upstream], db_path=tmp_path / "p.db")
+        with serve_app(settings) as proxy:
+            (tmp_path / "empty").mkdir()
+            for body, param in (
+                ({"path": "relative/dir", "version": 1}, "path"),
+                ({"path": str(tmp_path / "empty"), "version": 1}, "path"),
+                ({"path": str(digits_model), "version": -1}, "version"),
+                ({"version": 1}, "path"),
+            ):
+                response = httpx.post(f"{proxy}/v1/admin/weights", json=body)
+                assert response.status_code == 400 and response.json()["error"]["param"] == param
+            assert httpx.get(f"{upstream}/_calls").json() == []
+            # The replica still serves.
+            client = OpenAI(base_url=f"{proxy}/s/alive/v1", api_key="x")
+            assert client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            ).id

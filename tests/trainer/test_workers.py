@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from molt_proxy.tinymodel import build_tiny_model
+from devtools import build_tiny_model
 from tests.trainer.test_policy import CURRENT, LOSS, SHAPES, trajectories
 from trainer.batch import collate
 from trainer.policy import Policy

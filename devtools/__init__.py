@@ -1,0 +1,40 @@
+"""Development tooling, apart from the runtime packages (`molt_proxy`, `trainer`): the tiny
+models that tests, examples and benchmarks run on, the scripts they learn, and the tasks the
+examples reward. Imports torch and transformers only inside the functions that need them.
+
+`molt-proxy build-tiny-model` imports this package, and nothing else in `molt_proxy` does.
+"""
+
+from devtools.digits import PROMPTS, digit_share
+from devtools.scripts import (
+    AGENTS_SDK_WEATHER_TOOL,
+    DEFAULT_SCRIPTS,
+    WEATHER_TOOL,
+    Conversation,
+    Family,
+    render_reply,
+    thinking_episode,
+    weather_episode,
+)
+from devtools.teaching import teach_tiny_model
+from devtools.tinymodel import build_agents_sdk_model, build_tiny_model
+from devtools.tokenizers import Arch, tokenizer_source, tokenizers_root
+
+__all__ = [
+    "AGENTS_SDK_WEATHER_TOOL",
+    "DEFAULT_SCRIPTS",
+    "PROMPTS",
+    "WEATHER_TOOL",
+    "Arch",
+    "Conversation",
+    "Family",
+    "build_agents_sdk_model",
+    "build_tiny_model",
+    "digit_share",
+    "render_reply",
+    "teach_tiny_model",
+    "thinking_episode",
+    "tokenizer_source",
+    "tokenizers_root",
+    "weather_episode",
+]

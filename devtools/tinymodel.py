@@ -1,0 +1,136 @@
+"""Build tiny, deterministic causal LMs with real tokenizers, for demos and tests.
+
+Nothing can be downloaded on development or CI machines, so the project makes its own
+models: a random `Qwen3ForCausalLM` with the real Qwen3 tokenizer and chat template, or a
+`LlamaForCausalLM` with the real Llama-3.2 tokenizer, or, where neither tokenizer is at hand,
+a small byte-level BPE trained here on a built-in corpus. Same seed, same bytes: building
+twice gives identical weights, so tests can compare against a `transformers` forward.
+
+With a real tokenizer the model is then taught its script (`devtools.teaching`,
+`devtools.scripts.DEFAULT_SCRIPTS`), so that it writes real tool calls and `<think>` blocks.
+Where the tokenizers are found: `devtools.tokenizers`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from devtools.scripts import AGENTS_SDK_WEATHER_TOOL, DEFAULT_SCRIPTS, weather_episode
+from devtools.teaching import teach_tiny_model
+from devtools.tokenizers import Arch, tokenizer_source
+
+_LICENCE_FILES = ("LICENSE", "NOTICE.md", "USE_POLICY.md")
+
+# A ChatML template for the self-trained fallback tokenizer: same shape as Qwen's.
+_FALLBACK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_FALLBACK_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) { } [ ] , . : ; ' \" "
+    "What is the weather in Paris? Call the tool get_weather with a city. The answer is 42. "
+    "You are a helpful assistant. Think step by step and answer briefly. "
+)
+
+
+def _fallback_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_FALLBACK_CORPUS] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = _FALLBACK_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: Arch = "qwen3",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    tokenizer_dir: str | Path | None = None,
+    fallback_vocab_size: int = 512,
+    teach: bool = True,
+    fallback_tokenizer: bool = False,
+) -> Path:
+    """Write a tiny model plus tokenizer to `out_dir` and return the path.
+
+    `tokenizer_dir` names the real tokenizer; by default it is `tokenizer_source(arch)`
+    (`$MOLT_PROXY_TOKENIZERS` or the checkout's); with neither, a byte-level BPE is trained
+    here. The `lm_head` is untied so that a trainer update moves logits directly.
+    With `teach`, a model with a real tokenizer then learns `DEFAULT_SCRIPTS[arch]` (pass
+    `teach=False` for a `tokenizer_dir` whose template cannot print that script); the
+    fallback tokenizer's template knows no tools or reasoning, so that model stays random.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
+    # RL demos want its ~400-token vocabulary (fast steps, rewards a random model can find).
+    source = None if fallback_tokenizer else Path(tokenizer_dir) if tokenizer_dir else tokenizer_source(arch)
+    if source is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+    else:
+        tokenizer = _fallback_tokenizer(fallback_vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        # vLLM's CPU attention supports head sizes of 32 and up.
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=max(1, hidden_size // 64),
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if teach and source is not None:
+        teach_tiny_model(out, DEFAULT_SCRIPTS[arch], seed=seed)
+    # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
+    # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tokenizer.eos_token_id, "do_sample": True}, indent=2)
+    )
+    if source is not None:
+        for name in _LICENCE_FILES:
+            if (source / name).exists():
+                shutil.copyfile(source / name, out / name)
+    return out
+
+
+def build_agents_sdk_model(out: str | Path) -> Path:
+    """A tiny Qwen3 model taught `weather_episode("hermes")` with the tool spelled as the
+    OpenAI Agents SDK sends it (`AGENTS_SDK_WEATHER_TOOL`)."""
+    out = build_tiny_model(out, "qwen3", teach=False)
+    generation_config = (out / "generation_config.json").read_text()  # neutral sampling defaults
+    teach_tiny_model(out, [{**weather_episode("hermes"), "tools": [AGENTS_SDK_WEATHER_TOOL]}])
+    (out / "generation_config.json").write_text(generation_config)  # saving the model rewrote it
+    return out

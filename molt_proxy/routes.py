@@ -1,0 +1,249 @@
+"""The HTTP routes: thin handlers that decode a request at the edge (`wire/`), call the
+proxy's parts (`proxy.py`) and encode the answer. Errors are raised as domain errors and
+mapped to HTTP once, in `app.py`.
+
+A new API format is one decoder and encoder under `wire/` and one route here; the turn
+itself (`Completions`, `Sessions.turn`) is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from molt_proxy import auth
+from molt_proxy.completions import OFF_LOOP_BYTES
+from molt_proxy.errors import BadRequest
+from molt_proxy.proxy import Proxy
+from molt_proxy.session import Caller
+from molt_proxy.sessions import unknown_session
+from molt_proxy.types import SessionStatus
+from molt_proxy.weights import check_version, check_weights_dir
+from molt_proxy.wire.control import (
+    CHAT_SCHEMA,
+    SESSION_SCHEMA,
+    WEIGHTS_SCHEMA,
+    RewardBody,
+    decode_session_body,
+    decode_weights_body,
+    request_body,
+)
+from molt_proxy.wire.jsonbody import INT64_MAX
+from molt_proxy.wire.openai import (
+    ChatCall,
+    decode_chat_request,
+    encode_reply,
+    encode_stream,
+    include_usage,
+    metadata_session,
+)
+from molt_proxy.wire.sse import KEEPALIVE, trajectory_event
+
+STREAM_KEEPALIVE_S = 15.0
+
+router = APIRouter()
+
+
+def _proxy(request: Request) -> Proxy:
+    return request.app.state.proxy
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+class EventStream(StreamingResponse):
+    """A streamed turn's events, closed when the response ends, however it ends. Starlette
+    leaves an unfinished body iterator to the garbage collector, and a turn's events hold its
+    session's lock: a client that left must not keep the session busy until a collection."""
+
+    def __init__(self, first: str, events: AsyncGenerator[str]):
+        super().__init__(_relay(first, events), media_type="text/event-stream")
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with aclosing(self.events):
+            await super().__call__(scope, receive, send)
+
+
+async def _relay(first: str, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for event in events:
+        yield event
+        # Reading ids vLLM already sent and writing to the client need not suspend, so
+        # without this a fast vLLM keeps the loop from ever seeing that the client
+        # left (Starlette learns it in a task of its own) and the turn runs to its end.
+        await asyncio.sleep(0)
+
+
+async def _chat(request: Request, path_session: str | None) -> dict[str, Any] | StreamingResponse:
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    body = await request.body()
+    # A large body decodes in a worker thread, as it renders and tokenizes there (completions.py).
+    call = (
+        decode_chat_request(body)
+        if len(body) < OFF_LOOP_BYTES
+        else await asyncio.to_thread(decode_chat_request, body)
+    )
+    caller = _caller(proxy, request, principal, call, path_session)
+    if not call.request.stream:
+        answer = await proxy.completions.complete(caller, call, body)
+        return encode_reply(answer.reply, answer.session_id)
+    events = encode_stream(proxy.completions.stream(caller, call, body), include_usage(call.request))
+    first = await anext(events)  # errors before vLLM answers become plain error responses
+    return EventStream(first, events)
+
+
+def _caller(
+    proxy: Proxy, request: Request, principal: auth.Principal, call: ChatCall, path_session: str | None
+) -> Caller:
+    """The session hints of a chat request: path, header, metadata, key, group."""
+    key = auth.presented_key(request.headers)
+    session_id = path_session or request.headers.get("x-session-id")
+    if session_id is None and not (principal is auth.OPEN and key and proxy.sessions.by_key(key)):
+        session_id = metadata_session(call)
+    session_id = auth.chat_session(principal, session_id)
+    group_id = request.headers.get("x-group-id") or None
+    # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.
+    open_key = key if session_id is None and principal is auth.OPEN else None
+    return Caller(session_id, open_key, group_id, principal)
+
+
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA))
+async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
+    return await _chat(request, None)
+
+
+@router.post(
+    "/s/{session_id}/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA)
+)
+async def session_chat_completions(session_id: str, request: Request) -> dict[str, Any] | StreamingResponse:
+    return await _chat(request, session_id)
+
+
+@router.get("/v1/models")
+@router.get("/s/{session_id}/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": await _proxy(request).replicas.models()}
+
+
+# -- sessions and rewards --------------------------------------------------------------------
+
+
+@router.post("/v1/sessions", status_code=201, openapi_extra=request_body(SESSION_SCHEMA, required=False))
+async def create_session(request: Request) -> dict[str, Any]:
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CREATE)
+    session_id, group_id = decode_session_body(await request.body())
+    key = auth.new_session_key()
+    session = await proxy.sessions.create(
+        session_id, group_id, key_hash=auth.key_id(key), owner=principal.owner
+    )
+    base = str(request.base_url).rstrip("/")
+    return {
+        "session_id": session.id,
+        "group_id": session.group_id,
+        "api_key": key,  # shown once: the proxy keeps only its hash
+        "base_url": f"{base}/s/{session.id}/v1",
+    }
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    return proxy.sessions.get(session_id, principal).describe()
+
+
+@router.post("/v1/rewards", openapi_extra=request_body(RewardBody.model_json_schema()))
+async def post_reward(request: Request) -> dict[str, Any]:
+    """`{session_id | completion_id, reward, final = true, info}`: a final reward closes the
+    session; `final: false` with a `completion_id` rewards that one turn."""
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    body = RewardBody.decode(await request.body())
+    session_id, completion_id = body.session_id, body.completion_id
+    if completion_id is not None:
+        session_id = await proxy.sessions.of_completion(completion_id, principal)
+    elif not await proxy.sessions.visible(session_id, principal):
+        raise unknown_session(session_id)  # as for an id that does not exist: no probing
+    if not body.final:
+        if completion_id is None:
+            raise BadRequest("a per-turn reward ('final': false) needs a 'completion_id'", param="final")
+        await proxy.sessions.reward_turn(completion_id, float(body.reward))
+        return {"session_id": session_id, "completion_id": completion_id, "status": "open"}
+    trajectories = await proxy.close_session(
+        session_id, float(body.reward), body.info, SessionStatus.REWARDED
+    )
+    return {
+        "session_id": session_id,
+        "status": SessionStatus.REWARDED.value,
+        "trajectories": [{"seq": t.seq, "trajectory_id": t.trajectory_id} for t in trajectories],
+    }
+
+
+# -- the trainer's side ----------------------------------------------------------------------
+
+
+@router.get("/v1/trajectories", response_model=None)
+async def trajectories(
+    request: Request,
+    after: int = Query(0, ge=0, le=INT64_MAX),
+    limit: int = Query(100, ge=1, le=10_000),
+) -> dict[str, Any] | StreamingResponse:
+    proxy = _proxy(request)
+    proxy.principal(request, auth.ADMIN_ONLY)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return StreamingResponse(_follow(proxy, after, limit), media_type="text/event-stream")
+    data = await proxy.store.trajectories_after(after, limit)
+    return {"object": "list", "data": data, "last_seq": data[-1]["seq"] if data else after}
+
+
+async def _follow(proxy: Proxy, after: int, limit: int) -> AsyncIterator[str]:
+    """Every trajectory after `after`, then each new one as its session closes, for ever."""
+    cursor = after
+    while True:
+        batch = await proxy.store.trajectories_after(cursor, limit)
+        for trajectory in batch:
+            cursor = trajectory["seq"]
+            yield trajectory_event(trajectory)
+        if batch:
+            continue
+        async with proxy.finalized:
+            try:
+                await asyncio.wait_for(proxy.finalized.wait(), STREAM_KEEPALIVE_S)
+            except TimeoutError:
+                yield KEEPALIVE
+
+
+@router.post("/v1/admin/weights", openapi_extra=request_body(WEIGHTS_SCHEMA))
+async def refresh_weights(request: Request) -> dict[str, Any]:
+    """Load the trainer's new weights into every replica and label them `version`."""
+    proxy = _proxy(request)
+    proxy.principal(request, auth.ADMIN_ONLY)
+    weights_dir, version = decode_weights_body(await request.body())
+    # Everything is checked before any replica is paused (`weights.py` has the rules).
+    folder = await asyncio.to_thread(check_weights_dir, weights_dir)
+    started = time.monotonic()
+    async with proxy.refresh_lock:
+        checked = check_version(version, folder, await proxy.store.last_weights())
+        loaded = await proxy.replicas.refresh_weights(folder, checked)
+        await proxy.store.save_weights(folder, checked)
+    return {"version": checked, "seconds": time.monotonic() - started, "replicas": loaded}
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    """200 while the proxy runs (it still answers sessions, rewards and trajectories);
+    `status` says whether vLLM replicas can take requests: ok, degraded (some) or down."""
+    replicas = _proxy(request).replicas.describe()
+    up = sum(r["healthy"] for r in replicas)
+    status = "ok" if up == len(replicas) else "degraded" if up else "down"
+    return {"status": status, "replicas": replicas}

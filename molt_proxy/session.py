@@ -1,0 +1,105 @@
+"""One session in memory: its segments, its lock, the reply a retry gets, and the hints a
+request names it by. State only; the registry that creates, finds and closes sessions is
+`sessions.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt_proxy.auth import Principal
+from molt_proxy.types import RecordedReply, Segment, SessionStatus, Trajectory
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who sent a request, whatever its wire format: the session id and key it named, if any,
+    its group header, and who its key says it is (`auth.py`)."""
+
+    session_id: str | None
+    api_key: str | None
+    group_id: str | None
+    principal: Principal
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    group_id: str | None
+    """Given at creation; otherwise derived from the first prompt when the session closes."""
+    created: float
+    api_key_hash: str | None = None
+    """SHA-256 of the session's own key (`auth.key_id`), if it was minted one."""
+    owner: str | None = None
+    """The id of the agent key that created it (`auth.Principal.owner`)."""
+    inferred: bool = False
+    last_active: float = 0.0
+    call_ids: set[str] = field(default_factory=set)
+    """Ids of the tool calls in this session's replies: an echoed history names them."""
+    segments: list[Segment] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_request_hash: str | None = None
+    last_reply: RecordedReply | None = None
+    """What the last request (`last_request_hash`) was answered: a byte-identical retry gets it."""
+    closed: bool = False
+
+    @property
+    def open_segment(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "session_id": self.id,
+            "group_id": self.group_id or default_group(self),
+            "status": "closed" if self.closed else "open",
+            "segments": [
+                {
+                    "segment": s.index,
+                    "num_tokens": len(s.token_ids),
+                    "num_sampled": sum(s.loss_mask),
+                    "turns": [t.completion_id for t in s.turns],
+                }
+                for s in self.segments
+            ],
+        }
+
+    def trajectories(
+        self, reward: float | None, info: dict[str, Any], status: SessionStatus, model: str, now: float
+    ) -> list[Trajectory]:
+        """Every segment as a trajectory carrying the session's reward and group (`seq` is set
+        when the store appends them)."""
+        group_id = self.group_id or default_group(self)
+        return [
+            Trajectory(
+                seq=0,
+                trajectory_id=f"{self.id}:{segment.index}",
+                session_id=self.id,
+                segment=segment.index,
+                num_segments=len(self.segments),
+                group_id=group_id,
+                token_ids=segment.token_ids,
+                loss_mask=segment.loss_mask,
+                logprobs=segment.logprobs,
+                weight_versions=segment.weight_versions,
+                turns=segment.turns,
+                reward=reward,
+                info=info,
+                status=status,
+                model=model,
+                created=now,
+            )
+            for segment in self.segments
+        ]
+
+
+def default_group(session: Session) -> str:
+    """A hash of the session's first rendered prompt: N attempts at one task group themselves
+    (DESIGN §3). A session without turns is its own group."""
+    if not session.segments or not session.segments[0].turns:
+        return session.id
+    first = session.segments[0]
+    prompt = first.token_ids[: first.turns[0].completion_start]
+    return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]

@@ -1,0 +1,62 @@
+"""A turn's answer in no wire format, which each wire format encodes its own way. A whole
+reply is an `Answer`; a streamed one is what `Completions.stream` yields, which a format's
+stream encoder turns into its events (OpenAI's chunks, Anthropic's message events, ...):
+
+    Replayed                         a retry of the last request: its recorded reply, whole
+    Opened, Delta*, Closed           a new turn: vLLM has answered, text as sampled, the end
+
+`Closed` comes once the turn is recorded; a stream cut short before it recorded nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+from molt_proxy.types import RecordedReply
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """A whole reply (new, or replayed for a retry) and the session it belongs to."""
+
+    reply: RecordedReply
+    session_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class Opened:
+    """vLLM has sampled the first ids: the reply begins."""
+
+    completion_id: str
+    created: int
+    """Unix seconds, as every event of the reply says."""
+    model: str
+    session_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """What the parsers read from the ids sampled since the last event."""
+
+    delta: DeltaMessage
+
+
+@dataclass(slots=True, frozen=True)
+class Closed:
+    """The turn is recorded: `last` is what the parsers released at the end, if anything."""
+
+    reply: RecordedReply
+    last: DeltaMessage | None
+
+
+@dataclass(slots=True, frozen=True)
+class Replayed:
+    """The recorded reply to a byte-identical retry, sent again whole."""
+
+    reply: RecordedReply
+    session_id: str
+
+
+StreamEvent = Opened | Delta | Closed | Replayed
