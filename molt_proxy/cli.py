@@ -19,21 +19,9 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    from molt_proxy.app import create_app
-    from molt_proxy.auth import load_keys
-    from molt_proxy.launcher import Supervisor, VLLMServer
-
-    admin_key, agent_keys = load_keys(
-        args.admin_key, args.admin_key_file, args.agent_key or [], args.agent_keys_file, os.environ
-    )
-    args.admin_key = admin_key  # `--train`'s trainer reads it from `args`
-    # Settings first: a bad flag fails now, not after minutes of starting vLLM.
-    settings = Settings(
+def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_keys: list[str]) -> Settings:
+    """`serve`'s flags as settings; the keys come resolved (flags, files, environment)."""
+    return Settings(
         model=args.model,
         upstreams=list(args.upstream or []),
         replicas=args.replicas,
@@ -52,6 +40,23 @@ def _serve(args: argparse.Namespace) -> int:
         session_ttl_s=args.session_ttl,
         sampling=args.sampling,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    from molt_proxy.app import create_app
+    from molt_proxy.auth import load_keys
+    from molt_proxy.launcher import Supervisor, VLLMServer
+
+    admin_key, agent_keys = load_keys(
+        args.admin_key, args.admin_key_file, args.agent_key or [], args.agent_keys_file, os.environ
+    )
+    args.admin_key = admin_key  # `--train`'s trainer reads it from `args`
+    # Settings first: a bad flag fails now, not after minutes of starting vLLM.
+    settings = settings_from_args(args, admin_key, agent_keys)
     servers: list[VLLMServer] = []
     try:
         if not settings.upstreams:

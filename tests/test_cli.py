@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_proxy.cli import main, parser
+from molt_proxy.cli import main, parser, settings_from_args
 from molt_proxy.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _modules_after(code: str) -> set[str]:
     "argv", [["--help"], ["serve", "--help"], ["export", "--help"], ["build-tiny-model", "--help"]]
 )
 def test_help_does_not_import_torch(argv):
-    code = "from molt_proxy.cli import main, parser\nparser()\n"
+    code = "from molt_proxy.cli import main, parser, settings_from_args\nparser()\n"
     code += f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass"
     loaded = _modules_after(code)
     assert "argparse" in loaded
@@ -44,19 +44,7 @@ def test_serve_help_lists_the_trainer_flags(capsys):
 
 def test_serve_flags_default_to_the_settings_defaults():
     args = parser().parse_args(["serve", "--model", "m"])
-    from_flags = Settings(
-        model="m",
-        replicas=args.replicas,
-        health_interval_s=args.health_interval,
-        health_timeout_s=args.health_timeout,
-        max_restarts=args.max_restarts,
-        host=args.host,
-        port=args.port,
-        db_path=args.db,
-        max_request_bytes=args.max_request_bytes,
-        session_ttl_s=args.session_ttl,
-        sampling=args.sampling,
-    )
+    from_flags = settings_from_args(args, admin_key=None, agent_keys=[])
     assert from_flags == Settings(model="m")
 
 
