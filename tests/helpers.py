@@ -132,7 +132,13 @@ def completion_from_chunks(chunks: list[ChatCompletionChunk]) -> ChatCompletion:
 
 
 def trajectories(proxy_url: str, after: int = 0) -> list[dict[str, Any]]:
-    return httpx.get(f"{proxy_url}/v1/trajectories", params={"after": after, "limit": 1000}).json()["data"]
+    """Every finalized trajectory after `after`, page by page."""
+    found: list[dict[str, Any]] = []
+    url = f"{proxy_url}/v1/trajectories"
+    while data := httpx.get(url, params={"after": after, "limit": 1000}).json()["data"]:
+        found += data
+        after = data[-1]["seq"]
+    return found
 
 
 @cache

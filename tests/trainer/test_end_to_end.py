@@ -87,10 +87,17 @@ def _wait_or_dump(process: subprocess.Popen, log: Path, timeout_s: float) -> int
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        # Where every process is (CPU, kernel wait, allowed CPUs): a hang once showed a trainer
+        # pinned to the CPU of a busy vLLM worker.
+        processes = subprocess.run(
+            "ps -e -o pid,sid,stat,psr,pcpu,wchan:24,args --sort=pid | cut -c1-160;"
+            " grep -H Cpus_allowed_list /proc/[0-9]*/status",
+            shell=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
         process.send_signal(signal.SIGABRT)  # the fault handler prints every thread's stack
         process.wait(timeout=30)
         output = log.read_text(errors="replace")[-8000:]
-        raise AssertionError(f"the trainer hung; its output:\n{output}") from None
+        raise AssertionError(f"the trainer hung; its output:\n{output}\nprocesses:\n{processes}") from None
 
 
 def _steps_done(folder: Path) -> int:
