@@ -1,27 +1,66 @@
-"""Shared fixtures: tiny taught models, one real vLLM server per model, proxy processes.
+"""Shared fixtures: tiny taught models, one real vLLM server per model, proxies.
 
-Everything here is real: vLLM runs on CPU (DESIGN §9), the proxy runs as its own process
-(`launcher.ProxyServer`: `python -m molt_proxy serve --upstream ...`) so tests can kill it,
-and clients speak HTTP.
+Everything here is real: vLLM runs on CPU (DESIGN §9); the proxy is the real app built from
+`serve`'s flags, served by uvicorn in a thread of the test process (`start_proxy`), or its
+own process (`ProxyProcess`: `python -m molt_proxy serve --upstream ...`) where a test kills
+it; clients speak HTTP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
-from devtools import build_tiny_model, tokenizer_source
+from devtools import Arch, build_tiny_model, tokenizer_source
+from molt_proxy.auth import load_keys
+from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.launcher import ProxyServer, VLLMServer
+from tests.inprocess import serve_app
 
 MAX_MODEL_LEN = 2048
 
 
-def _model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+SERVERS = ("qwen3_vllm", "llama_vllm", "digits_vllm", "agents_sdk_vllm")
+"""The session's real vLLM servers (about 3 GB each)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist (`-n 2 --dist loadgroup`, the default in pyproject), the tests of one vLLM
+    server run in one worker: no server boots twice, and memory stays what one process needs."""
+    for item in items:
+        server = next((name for name in SERVERS if name in item.fixturenames), None)
+        if server:
+            item.add_marker(pytest.mark.xdist_group(server))
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `build` fills, built once per test run: under xdist by whichever worker asks
+    first, in the run's shared temporary folder, while the others wait for it."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    folder, done = shared / name, shared / f"{name}.built"
+    with FileLock(f"{folder}.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that died half-way
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+def _model(tmp_path_factory: pytest.TempPathFactory, arch: Arch) -> Path:
     if tokenizer_source(arch) is None:
         pytest.skip(f"the real {arch} tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
-    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+    return built_once(tmp_path_factory, f"tiny-{arch}", lambda folder: build_tiny_model(folder, arch))
 
 
 @pytest.fixture(scope="session")
@@ -67,28 +106,55 @@ class ProxyProcess(ProxyServer):
         self.kill()
 
 
+@dataclass
+class AppProxy:
+    """The real proxy app (`serve`'s flags, settings and `create_app`) served by uvicorn in a
+    thread of the test process: no interpreter to boot per test. Tests that kill -9 the
+    proxy or check `serve` itself use `ProxyProcess`."""
+
+    url: str
+    model: Path
+    db: Path
+
+    def base_url(self, session: str | None = None) -> str:
+        return f"{self.url}/s/{session}/v1" if session else f"{self.url}/v1"
+
+
+@contextmanager
+def app_proxy(
+    model: Path, upstream: str | list[str], db: Path, args: Sequence[str] = ()
+) -> Iterator[AppProxy]:
+    """`molt-proxy serve --upstream ... --verify-prompt-ids *args`, in this process."""
+    urls = [upstream] if isinstance(upstream, str) else upstream
+    argv = ["serve", "--model", str(model), "--db", str(db), "--verify-prompt-ids", *args]
+    flags = parser().parse_args(argv + [flag for url in urls for flag in ("--upstream", url)])
+    keys = load_keys(flags.admin_key, flags.admin_key_file, flags.agent_key or [], flags.agent_keys_file, {})
+    with serve_app(settings_from_args(flags, *keys)) as url:
+        yield AppProxy(url, model, db)
+
+
 @pytest.fixture
 def start_proxy(tmp_path: Path) -> Iterator:
     """Start a proxy in front of a vLLM server: `start_proxy(model, vllm, *flags)`."""
-    started: list[ProxyProcess] = []
+    numbers = itertools.count()
+    with ExitStack() as started:
 
-    def start(model: Path, vllm: VLLMServer | list[str], *args: str) -> ProxyProcess:
-        """`vllm` is the server, or a list of vLLM URLs for a proxy over several replicas."""
-        upstream = vllm if isinstance(vllm, list) else vllm.url
-        proxy = ProxyProcess(model, upstream, tmp_path / f"proxy{len(started)}.db", list(args)).start()
-        started.append(proxy)
-        return proxy
+        def start(model: Path, vllm: VLLMServer | list[str], *args: str) -> AppProxy:
+            """`vllm` is the server, or a list of vLLM URLs for a proxy over several replicas."""
+            upstream = vllm if isinstance(vllm, list) else vllm.url
+            db = tmp_path / f"proxy{next(numbers)}.db"
+            return started.enter_context(app_proxy(model, upstream, db, args))
 
-    yield start
-    for proxy in started:
-        proxy.stop()
+        yield start
 
 
 @pytest.fixture(scope="session")
 def digits_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny model with the small self-trained byte-level tokenizer (fast to train)."""
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny-digits"), "qwen3", fallback_tokenizer=True, teach=False
+    return built_once(
+        tmp_path_factory,
+        "tiny-digits",
+        lambda folder: build_tiny_model(folder, "qwen3", fallback_tokenizer=True, teach=False),
     )
 
 

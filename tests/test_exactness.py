@@ -11,20 +11,19 @@ from openai import OpenAI
 
 from devtools import thinking_episode, weather_episode
 from molt_proxy.tokenizer import Tokenizer
-from tests.conftest import ProxyProcess
+from tests.conftest import AppProxy, app_proxy
 from tests.helpers import assert_exact, play, trajectories
 
 
 @pytest.fixture(scope="module")
-def qwen3_hermes(qwen3_model, qwen3_vllm, tmp_path_factory) -> Iterator[ProxyProcess]:
+def qwen3_hermes(qwen3_model, qwen3_vllm, tmp_path_factory) -> Iterator[AppProxy]:
     """One proxy for the tests that need these same flags; each keeps to its own session."""
     db = tmp_path_factory.mktemp("exactness") / "qwen3-hermes.db"
-    proxy = ProxyProcess(qwen3_model, qwen3_vllm.url, db, ["--tool-call-parser", "hermes"]).start()
-    yield proxy
-    proxy.stop()
+    with app_proxy(qwen3_model, qwen3_vllm.url, db, ["--tool-call-parser", "hermes"]) as proxy:
+        yield proxy
 
 
-def recorded(proxy: ProxyProcess, session: str) -> list[dict[str, Any]]:
+def recorded(proxy: AppProxy, session: str) -> list[dict[str, Any]]:
     return [t for t in trajectories(proxy.url) if t["session_id"] == session]
 
 

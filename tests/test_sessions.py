@@ -8,18 +8,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tests.conftest import app_proxy
 from tests.helpers import reply_as_message
 
 
 @pytest.fixture(scope="module")
 def proxy(qwen3_model, qwen3_vllm, tmp_path_factory):
-    from tests.conftest import ProxyProcess
-
-    process = ProxyProcess(
-        qwen3_model, qwen3_vllm.url, tmp_path_factory.mktemp("sessions") / "p.db", []
-    ).start()
-    yield process
-    process.stop()
+    with app_proxy(qwen3_model, qwen3_vllm.url, tmp_path_factory.mktemp("sessions") / "p.db") as served:
+        yield served
 
 
 def ask(client: OpenAI, text: str, **kwargs):

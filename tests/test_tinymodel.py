@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from devtools import (
     DEFAULT_SCRIPTS,
     Arch,
     Conversation,
-    build_tiny_model,
     render_reply,
     thinking_episode,
     tokenizer_source,
@@ -138,15 +136,6 @@ def test_the_tokenizers_folder_comes_from_the_environment_else_the_checkout(tmp_
 # --- The taught models ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[Arch, Path]:
-    built: dict[Arch, Path] = {}
-    for arch in ("qwen3", "llama"):
-        _tokenizer(arch)
-        built[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), arch)
-    return built
-
-
 def _greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
@@ -186,9 +175,10 @@ def _parse(text: str, conv: Conversation, tokenizer: Any) -> tuple[Any, Any, lis
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it(models, arch: Arch):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(models[arch]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(models[arch]), dtype=torch.float32)
+def test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it(request, arch: Arch):
+    folder = request.getfixturevalue(f"{arch}_model")  # the models every real-vLLM test uses
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     for conv in DEFAULT_SCRIPTS[arch]:
         for i, message in _assistant_turns(conv):
             history = [_with_dict_arguments(m) for m in conv["messages"][:i]]
