@@ -3,8 +3,9 @@
 This is the data path of DESIGN §2; everything it calls is pure or owned by one module.
 A turn runs inside `Sessions.turn`, under its session's lock, so a session's turns never
 interleave. The whole and the streamed reply share their opening (`_turn`: render, hash,
-session) and their closing (`_finish`: the reply recorded in neutral form). What comes out is
-in no wire format (`wire/events.py`): the route encodes it.
+session) and their closing (`_finish`: the reply recorded in neutral form). Neither what goes
+in nor what comes out is in a wire format: the route decodes a request into a `Conversation`
+(`conversation.py`) and encodes the events (`wire/events.py`).
 
 Streaming sends deltas as vLLM samples ids and records the turn once vLLM has finished, just
 before the last chunk goes out. A client that disconnects earlier cancels the stream: vLLM
@@ -22,6 +23,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from molt_proxy.conversation import Conversation
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
@@ -32,13 +34,6 @@ from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment
 from molt_proxy.wire.events import Answer, Closed, Delta, Opened, Replayed, StreamEvent
-from molt_proxy.wire.openai import (
-    ChatCall,
-    echoed_call_ids,
-    requested_max_tokens,
-    sampling_fields,
-    template_kwargs,
-)
 
 OFF_LOOP_BYTES = 64 * 1024
 """Requests with a body this large or larger render and tokenize in a worker thread, so they
@@ -77,11 +72,11 @@ class Completions:
         self.sampling_pins = dict(sampling_pins or {})
         """Sampling fields that override what agents send (`Settings.sampling`)."""
 
-    async def complete(self, caller: Caller, call: ChatCall, body: bytes) -> Answer:
-        async with self._turn(caller, call, body) as (turn, rendered):
+    async def complete(self, caller: Caller, conversation: Conversation, body: bytes) -> Answer:
+        async with self._turn(caller, conversation, body) as (turn, rendered):
             if turn.replay is not None:
                 return Answer(turn.replay, turn.session.id)  # a retry of the request just answered
-            prepared = await self._prepare(turn, rendered, call, body)
+            prepared = await self._prepare(turn, rendered, conversation, body)
             plan = prepared.plan
             generation = await self.replicas.generate(
                 turn.session.id, plan.ids, prepared.fields, return_prompt_ids=self.verify_prompt_ids
@@ -89,27 +84,29 @@ class Completions:
             if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
                 raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
             message = self.parser.parse(
-                generation.token_ids, generation.finish_reason, call.request, plan.ids
+                generation.token_ids, generation.finish_reason, conversation.parser_request, plan.ids
             )
             reply = await self._finish(
                 turn, prepared, generation, message, _new_completion_id(), int(time.time())
             )
             return Answer(reply, turn.session.id)
 
-    async def stream(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncGenerator[StreamEvent]:
+    async def stream(
+        self, caller: Caller, conversation: Conversation, body: bytes
+    ) -> AsyncGenerator[StreamEvent]:
         """The events of a streamed turn (`wire/events.py`).
 
         Everything that can fail before vLLM answers (the render, the session, the context
         length, an unreachable vLLM) fails before the first event, so the caller can send a
         plain error response: the first event goes out only once vLLM has sampled.
         """
-        async with self._turn(caller, call, body) as (turn, rendered):
+        async with self._turn(caller, conversation, body) as (turn, rendered):
             if turn.replay is not None:
                 yield Replayed(turn.replay, turn.session.id)
                 return
-            prepared = await self._prepare(turn, rendered, call, body)
+            prepared = await self._prepare(turn, rendered, conversation, body)
             completion_id, created = _new_completion_id(), int(time.time())
-            reply_stream = self.parser.stream(call.request, prepared.plan.ids)
+            reply_stream = self.parser.stream(conversation.parser_request, prepared.plan.ids)
             generation: Generation | None = None
             started = False
             # Closed here, not when collected: the replica's in-flight slot is freed at once.
@@ -132,20 +129,25 @@ class Completions:
             yield Closed(reply, last)
 
     @asynccontextmanager
-    async def _turn(self, caller: Caller, call: ChatCall, body: bytes) -> AsyncIterator[tuple[OpenTurn, str]]:
+    async def _turn(
+        self, caller: Caller, conversation: Conversation, body: bytes
+    ) -> AsyncIterator[tuple[OpenTurn, str]]:
         """The opening every turn shares: render the request, hash it (for retries) and open
         its session's turn, which the end of the block closes. Yields the turn and the render."""
-        rendered = await self._render(call, body)
-        call_ids = echoed_call_ids(call)
-        async with self.sessions.turn(caller, rendered.encode(), call_ids, request_hash(body)) as turn:
+        rendered = await self._render(conversation, body)
+        hashed = request_hash(body)
+        async with self.sessions.turn(caller, rendered.encode(), conversation.call_ids, hashed) as turn:
             yield turn, rendered
 
-    async def _prepare(self, turn: OpenTurn, rendered: str, call: ChatCall, body: bytes) -> Prepared:
+    async def _prepare(
+        self, turn: OpenTurn, rendered: str, conversation: Conversation, body: bytes
+    ) -> Prepared:
         """The prompt ids (continuing the open segment or not), the model and the sampling."""
         plan = await self._plan(turn.session.open_segment, rendered, body)
         model = await self.replicas.model()
-        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), requested_max_tokens(call.request))
-        fields, applied = effective_sampling(sampling_fields(call.request, max_tokens), self.sampling_pins)
+        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
+        requested = {**conversation.sampling, "max_tokens": max_tokens}
+        fields, applied = effective_sampling(requested, self.sampling_pins)
         return Prepared(plan, model.id, fields, applied)
 
     async def _finish(
@@ -171,10 +173,10 @@ class Completions:
         await turn.record(prepared.plan, generation, reply, prepared.applied)
         return reply
 
-    async def _render(self, call: ChatCall, body: bytes) -> str:
+    async def _render(self, conversation: Conversation, body: bytes) -> str:
         """The prompt text. A large request renders in a worker thread, and one that cannot
         fit the context whatever its tokens is refused there, before any tokenizing."""
-        args = (call.messages, call.tools, template_kwargs(call.request))
+        args = (conversation.messages, conversation.tools, conversation.template_kwargs)
         if len(body) < OFF_LOOP_BYTES:
             return self.tokenizer.render(*args)
         max_model_len = (await self.replicas.model()).max_model_len

@@ -2,7 +2,8 @@
 
 The names are those of `vllm serve --tool-call-parser / --reasoning-parser`, and the parsers
 are vLLM's classes, constructed per request exactly as vLLM's chat route does (the reasoning
-parser sees the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`).
+parser sees the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). They read
+vLLM's own request, whatever the wire format: the conversation's `parser_request`.
 
 One deliberate difference from vLLM: a tool call's `arguments` is the exact JSON text the
 model sampled where we can find it, not vLLM's re-serialisation. An agent that echoes the

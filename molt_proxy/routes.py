@@ -36,14 +36,7 @@ from molt_proxy.wire.control import (
     request_body,
 )
 from molt_proxy.wire.jsonbody import INT64_MAX
-from molt_proxy.wire.openai import (
-    ChatCall,
-    decode_chat_request,
-    encode_reply,
-    encode_stream,
-    include_usage,
-    metadata_session,
-)
+from molt_proxy.wire.openai import decode_chat_request, encode_reply, encode_stream
 from molt_proxy.wire.sse import KEEPALIVE, trajectory_event
 
 STREAM_KEEPALIVE_S = 15.0
@@ -92,23 +85,29 @@ async def _chat(request: Request, path_session: str | None) -> dict[str, Any] | 
         if len(body) < OFF_LOOP_BYTES
         else await asyncio.to_thread(decode_chat_request, body)
     )
-    caller = _caller(proxy, request, principal, call, path_session)
-    if not call.request.stream:
-        answer = await proxy.completions.complete(caller, call, body)
+    conversation = call.conversation
+    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    if not call.stream:
+        answer = await proxy.completions.complete(caller, conversation, body)
         return encode_reply(answer.reply, answer.session_id)
-    events = encode_stream(proxy.completions.stream(caller, call, body), include_usage(call.request))
+    events = encode_stream(proxy.completions.stream(caller, conversation, body), call.include_usage)
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 
 
 def _caller(
-    proxy: Proxy, request: Request, principal: auth.Principal, call: ChatCall, path_session: str | None
+    proxy: Proxy,
+    request: Request,
+    principal: auth.Principal,
+    body_session: str | None,
+    path_session: str | None,
 ) -> Caller:
-    """The session hints of a chat request: path, header, metadata, key, group."""
+    """The session hints of a chat request: path, header, body (`Conversation.session_id`),
+    key, group."""
     key = auth.presented_key(request.headers)
     session_id = path_session or request.headers.get("x-session-id")
     if session_id is None and not (principal is auth.OPEN and key and proxy.sessions.by_key(key)):
-        session_id = metadata_session(call)
+        session_id = body_session
     session_id = auth.chat_session(principal, session_id)
     group_id = request.headers.get("x-group-id") or None
     # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.

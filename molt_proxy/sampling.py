@@ -2,7 +2,7 @@
 the record of what was applied (`types.Sampling`).
 
 Pure, and independent of the API format: a wire module turns a request into vLLM sampling
-fields (`wire/openai.py` `sampling_fields`); `effective_sampling` pins and normalises them and says what
+fields (`Conversation.sampling`); `effective_sampling` pins and normalises them and says what
 vLLM will apply, so the fields sent and the fields recorded are the same. It does not check
 what agents send (the wire module does, at the edge).
 

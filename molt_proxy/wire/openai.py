@@ -1,9 +1,10 @@
 """OpenAI Chat Completions on the wire: request decoding, sampling fields, reply encoding.
 
-A request decodes into a `ChatCall`: the conversation the chat template renders (messages,
-tools), vLLM's validated request (sampling, stop conditions, the parsers' switches) and the
-session hints in it (metadata, echoed tool-call ids). A turn's `RecordedReply` encodes back as
-a whole reply or as stream chunks; `finish_reason` becomes OpenAI's here, and only here.
+A request decodes into a `ChatCall`: the format-neutral `Conversation` the turn runs on
+(messages and tools as the chat template takes them, the sampling fields, vLLM's request for
+its parsers, the session hints) and what stays OpenAI's (`stream`, `include_usage`). A turn's
+`RecordedReply` encodes back as a whole reply or as stream chunks; `finish_reason` becomes
+OpenAI's here, and only here.
 
 Requests are validated with vLLM's own `ChatCompletionRequest` (so every field vLLM accepts
 means here what it means there), plus the checks vLLM leaves to the chat template: known
@@ -23,6 +24,7 @@ from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
+from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
@@ -35,31 +37,43 @@ _NEEDS_CONTENT = frozenset({"system", "developer", "user", "tool", "function"})
 
 @dataclass(slots=True, frozen=True)
 class ChatCall:
-    """A decoded chat request: vLLM's validated model plus the messages and tools exactly as
-    sent (pydantic drops keys it does not know, such as `reasoning_content`, and the chat
-    template must see them)."""
+    """A decoded chat request: the conversation, and how OpenAI wants the reply sent."""
 
-    request: ChatCompletionRequest
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    metadata: dict[str, Any]
+    conversation: Conversation
+    stream: bool
+    include_usage: bool
+    """A streamed reply ends with a usage chunk (`stream_options.include_usage`)."""
 
 
 def decode_chat_request(body: bytes) -> ChatCall:
-    """Bytes → a validated request whose messages are plain dicts with text content."""
+    """Bytes → a validated request whose messages are plain dicts with text content. The
+    messages and tools are kept as sent: pydantic drops keys it does not know, such as
+    `reasoning_content`, and the chat template must see them."""
     data = decode_json_object(body)
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
-    data["messages"] = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
-    request = _validate(data)
+    messages = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
+    # vLLM's validator rewrites the dicts it is given (`reasoning_content` → `reasoning`),
+    # and the chat template reads `reasoning_content`: it validates copies.
+    request = _validate({**data, "messages": [dict(m) for m in messages]})
     if request.n != 1:
         # n choices would be n diverging episodes behind one request, and the agent can
         # continue only one of them: sample N attempts as N sessions instead.
         raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
     check_sampling(request)
     _refuse_constraints(request)
-    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-    return ChatCall(request, data["messages"], data.get("tools"), metadata)
+    conversation = Conversation(
+        messages=messages,
+        tools=data.get("tools"),
+        template_kwargs=dict(request.chat_template_kwargs or {}),
+        sampling=sampling_fields(request),
+        max_tokens=requested_max_tokens(request),
+        parser_request=request,
+        session_id=_metadata_session(data.get("metadata")),
+        call_ids=echoed_call_ids(messages),
+    )
+    usage_chunk = bool(request.stream_options and request.stream_options.include_usage)
+    return ChatCall(conversation, bool(request.stream), usage_chunk)
 
 
 def _validate(data: dict[str, Any]) -> ChatCompletionRequest:
@@ -187,35 +201,21 @@ def _text_part(part: Any, param: str) -> str:
     raise BadRequest(f"{param}: only text content parts are supported", param=param)
 
 
-def echoed_call_ids(call: ChatCall) -> frozenset[str]:
-    """The tool-call ids a request's history mentions (assistant calls and tool results)."""
-    ids = {m["tool_call_id"] for m in call.messages if isinstance(m.get("tool_call_id"), str)}
-    for message in call.messages:
-        for tool_call in message.get("tool_calls") or []:
-            if isinstance(tool_call, dict) and isinstance(tool_call.get("id"), str):
-                ids.add(tool_call["id"])
-    return frozenset(ids)
-
-
-def metadata_session(call: ChatCall) -> str | None:
+def _metadata_session(metadata: Any) -> str | None:
     """The session id a request names in `metadata.session_id`, if any."""
-    value = call.metadata.get("session_id")
+    value = metadata.get("session_id") if isinstance(metadata, dict) else None
     if value is not None and (not isinstance(value, str) or not value):
         raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
     return value
 
 
-def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    return dict(request.chat_template_kwargs or {})
-
-
-def sampling_fields(request: ChatCompletionRequest, max_tokens: int) -> dict[str, Any]:
-    """Every sampling field, explicitly (DESIGN §4): an omitted field would fall back to the
-    checkpoint's generation config (e.g. `top_k=20`), not to the OpenAI default. The proxy's
-    pins and vLLM's normalisation are applied next (`molt_proxy.sampling.effective_sampling`)."""
+def sampling_fields(request: ChatCompletionRequest) -> dict[str, Any]:
+    """Every sampling field but `max_tokens` (the turn's), explicitly (DESIGN §4): an omitted
+    field would fall back to the checkpoint's generation config (e.g. `top_k=20`), not to the
+    OpenAI default. The proxy's pins and vLLM's normalisation are applied in the turn
+    (`molt_proxy.sampling.effective_sampling`)."""
     fields: dict[str, Any] = {
         "n": 1,
-        "max_tokens": max_tokens,
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "top_k": request.top_k or 0,
@@ -238,10 +238,6 @@ def sampling_fields(request: ChatCompletionRequest, max_tokens: int) -> dict[str
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
     return request.max_completion_tokens or request.max_tokens
-
-
-def include_usage(request: ChatCompletionRequest) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
