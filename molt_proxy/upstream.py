@@ -41,6 +41,14 @@ SessionFactory = Callable[[], aiohttp.ClientSession]
 its sessions made); the `Upstream` owns what it returns and closes it."""
 
 
+KEEPALIVE_S = 2.0
+"""How long an idle connection to vLLM is kept for reuse: well under the 5 s after which
+vLLM's server closes it (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`). With aiohttp's default of 15 s, a
+request could go out on a connection vLLM was closing that moment ("Can not write request
+body"), and the replica was taken for dead; a weight refresh, which idles every connection
+for seconds, made that likely."""
+
+
 def production_session(timeout_s: float) -> SessionFactory:
     """The client production uses: one total timeout per request, and no cap on connections
     (aiohttp's default pool of 100 would queue requests inside the proxy, out of sight of
@@ -48,7 +56,8 @@ def production_session(timeout_s: float) -> SessionFactory:
 
     def build() -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     return build
 
