@@ -11,11 +11,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molt_proxy.config import Settings
-from molt_proxy.errors import BadRequest, MoltError, PayloadTooLarge, UpstreamUnavailable
+from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, UpstreamUnavailable
 from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision
 from molt_proxy.routes import router
@@ -89,7 +90,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404 and request.scope.get("endpoint") is None:  # no route matched
+            return JSONResponse(_unserved(request).body(), status_code=404)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code)
@@ -100,3 +103,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         # exception's repr may quote a whole prompt).
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return JSONResponse(MoltError("internal error").body(), status_code=500)
+
+
+def _unserved(request: Request) -> NotFound:
+    """A request for a route the proxy does not serve (an API it has not built, such as
+    `/v1/embeddings`): the answer names the routes it does serve, so a client pointed at the
+    wrong API learns what to call instead of a bare "Not Found"."""
+    served = ", ".join(
+        f"{method} {route.path}"
+        for route in request.app.routes
+        if isinstance(route, APIRoute)
+        for method in sorted(route.methods)
+    )
+    asked = f"{request.method} {request.url.path}"[:200]
+    return NotFound(f"molt-proxy does not serve {asked}; it serves {served}")

@@ -23,6 +23,7 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
     """`serve`'s flags as settings; the keys come resolved (flags, files, environment)."""
     return Settings(
         model=args.model,
+        served_model_name=list(args.served_model_name),
         upstreams=list(args.upstream or []),
         replicas=args.replicas,
         health_interval_s=args.health_interval,
@@ -147,6 +148,14 @@ def parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the proxy (and vLLM, unless --upstream is given)")
     serve.add_argument(
         "--model", required=True, help="model path or id; its tokenizer and chat template are used"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=default(Settings, "served_model_name"),
+        metavar="NAME",
+        help="the name(s) replies and /v1/models give the model, as in `vllm serve`; replies carry"
+        " the first (default: the name vLLM serves it under; a vLLM launched here: --model)",
     )
     serve.add_argument(
         "--upstream",

@@ -2,8 +2,8 @@
 
 This is the data path of DESIGN §2; everything it calls is pure or owned by one module.
 A turn runs inside `Sessions.turn`, under its session's lock, so a session's turns never
-interleave. The whole and the streamed reply share their opening (`_turn`: render, hash,
-session) and their closing (`_finish`: the reply recorded in neutral form). Neither what goes
+interleave. The whole and the streamed reply share their opening (`_turn`: render, session,
+replay of a retry) and their closing (`_finish`: the reply recorded in neutral form). Neither what goes
 in nor what comes out is in a wire format: the route decodes a request into a `Conversation`
 (`conversation.py`) and encodes the events (`wire/events.py`).
 
@@ -28,8 +28,8 @@ from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
-from molt_proxy.session import Caller
-from molt_proxy.sessions import OpenTurn, Sessions, request_hash
+from molt_proxy.session import Attempt, Caller
+from molt_proxy.sessions import OpenTurn, Sessions
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment
@@ -47,6 +47,7 @@ class Prepared:
 
     plan: PromptPlan
     model_id: str
+    """The name replies carry as `model`."""
     fields: dict[str, Any]
     """The sampling fields sent to vLLM (pinned and normalised)."""
     applied: Sampling
@@ -63,6 +64,7 @@ class Completions:
         *,
         verify_prompt_ids: bool,
         sampling_pins: Mapping[str, float | int] | None = None,
+        served_model_name: str | None = None,
     ):
         self.sessions = sessions
         self.tokenizer = tokenizer
@@ -71,11 +73,15 @@ class Completions:
         self.verify_prompt_ids = verify_prompt_ids
         self.sampling_pins = dict(sampling_pins or {})
         """Sampling fields that override what agents send (`Settings.sampling`)."""
+        self.served_model_name = served_model_name
+        """The name replies carry (`Settings.served_model_name`); None: the name vLLM serves."""
 
-    async def complete(self, caller: Caller, conversation: Conversation, body: bytes) -> Answer:
-        async with self._turn(caller, conversation, body) as (turn, rendered):
+    async def complete(
+        self, caller: Caller, conversation: Conversation, body: bytes, attempt: Attempt
+    ) -> Answer:
+        async with self._turn(caller, conversation, body, attempt) as (turn, rendered):
             if turn.replay is not None:
-                return Answer(turn.replay, turn.session.id)  # a retry of the request just answered
+                return Answer(turn.replay, turn.session.id)  # a retry of a request answered
             prepared = await self._prepare(turn, rendered, conversation, body)
             plan = prepared.plan
             generation = await self.replicas.generate(
@@ -92,7 +98,7 @@ class Completions:
             return Answer(reply, turn.session.id)
 
     async def stream(
-        self, caller: Caller, conversation: Conversation, body: bytes
+        self, caller: Caller, conversation: Conversation, body: bytes, attempt: Attempt
     ) -> AsyncGenerator[StreamEvent]:
         """The events of a streamed turn (`wire/events.py`).
 
@@ -100,7 +106,7 @@ class Completions:
         length, an unreachable vLLM) fails before the first event, so the caller can send a
         plain error response: the first event goes out only once vLLM has sampled.
         """
-        async with self._turn(caller, conversation, body) as (turn, rendered):
+        async with self._turn(caller, conversation, body, attempt) as (turn, rendered):
             if turn.replay is not None:
                 yield Replayed(turn.replay, turn.session.id)
                 return
@@ -130,13 +136,13 @@ class Completions:
 
     @asynccontextmanager
     async def _turn(
-        self, caller: Caller, conversation: Conversation, body: bytes
+        self, caller: Caller, conversation: Conversation, body: bytes, attempt: Attempt
     ) -> AsyncIterator[tuple[OpenTurn, str]]:
-        """The opening every turn shares: render the request, hash it (for retries) and open
-        its session's turn, which the end of the block closes. Yields the turn and the render."""
+        """The opening every turn shares: render the request and open its session's turn
+        (`turn.replay` says whether `attempt` retries a request answered), which the end of
+        the block closes. Yields the turn and the render."""
         rendered = await self._render(conversation, body)
-        hashed = request_hash(body)
-        async with self.sessions.turn(caller, rendered.encode(), conversation.call_ids, hashed) as turn:
+        async with self.sessions.turn(caller, rendered.encode(), conversation.call_ids, attempt) as turn:
             yield turn, rendered
 
     async def _prepare(
@@ -148,7 +154,7 @@ class Completions:
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
         requested = {**conversation.sampling, "max_tokens": max_tokens}
         fields, applied = effective_sampling(requested, self.sampling_pins)
-        return Prepared(plan, model.id, fields, applied)
+        return Prepared(plan, self.served_model_name or model.id, fields, applied)
 
     async def _finish(
         self,

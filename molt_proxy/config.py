@@ -13,6 +13,10 @@ from molt_proxy.sampling import check_pins
 class Settings:
     model: str
     """Path (or id) of the served model: its tokenizer and chat template are the proxy's."""
+    served_model_name: list[str] = field(default_factory=list)
+    """The names the model is served under, as in `vllm serve` (`--served-model-name`): replies
+    carry the first as `model`, and `GET /v1/models` lists them all. Empty: the name vLLM
+    serves it under (a vLLM that `serve` launches serves it as `model`)."""
     upstreams: list[str] = field(default_factory=list)
     """Base URLs of running vLLM servers (`--upstream`, repeatable): the replicas. Empty:
     `serve` launches `replicas` vLLM servers itself and fills this in."""
@@ -63,6 +67,8 @@ class Settings:
             raise ValueError("session_ttl_s must be positive")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
+        if "" in self.served_model_name:
+            raise ValueError("a served model name must not be empty")
         if self.admin_key == "" or "" in self.agent_keys:
             raise ValueError("an API key must not be empty")
         if self.agent_keys and self.admin_key is None:

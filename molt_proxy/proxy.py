@@ -72,6 +72,7 @@ class Proxy:
             self.replicas,
             verify_prompt_ids=self.settings.verify_prompt_ids,
             sampling_pins=self.settings.sampling,
+            served_model_name=next(iter(self.settings.served_model_name), None),
         )
 
     async def _loadable_weights(self) -> tuple[str, int] | None:
@@ -86,6 +87,12 @@ class Proxy:
             log.warning("the last weights loaded (%s, version %d) are gone; not reloading them", *weights)
             return None
         return weights
+
+    async def models(self) -> list[dict[str, Any]]:
+        """`GET /v1/models`: vLLM's list, or the model under each `--served-model-name`, as
+        `vllm serve --served-model-name` lists it."""
+        models = await self.replicas.models()
+        return [{**models[0], "id": name} for name in self.settings.served_model_name] or models
 
     async def close_session(
         self, session_id: str, reward: float | None, info: dict[str, Any], status: SessionStatus

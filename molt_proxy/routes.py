@@ -22,8 +22,8 @@ from molt_proxy import auth
 from molt_proxy.completions import OFF_LOOP_BYTES
 from molt_proxy.errors import BadRequest
 from molt_proxy.proxy import Proxy
-from molt_proxy.session import Caller
-from molt_proxy.sessions import unknown_session
+from molt_proxy.session import Attempt, Caller
+from molt_proxy.sessions import request_hash, unknown_session
 from molt_proxy.types import SessionStatus
 from molt_proxy.weights import check_version, check_weights_dir
 from molt_proxy.wire.control import (
@@ -87,10 +87,12 @@ async def _chat(request: Request, path_session: str | None) -> dict[str, Any] | 
     )
     conversation = call.conversation
     caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    attempt = _attempt(request, body)
     if not call.stream:
-        answer = await proxy.completions.complete(caller, conversation, body)
+        answer = await proxy.completions.complete(caller, conversation, body, attempt)
         return encode_reply(answer.reply, answer.session_id)
-    events = encode_stream(proxy.completions.stream(caller, conversation, body), call.include_usage)
+    turn = proxy.completions.stream(caller, conversation, body, attempt)
+    events = encode_stream(turn, call.include_usage)
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 
@@ -115,6 +117,15 @@ def _caller(
     return Caller(session_id, open_key, group_id, principal)
 
 
+def _attempt(request: Request, body: bytes) -> Attempt:
+    """Whether a request says it retries one: its `Idempotency-Key`, and the retry count the
+    OpenAI and Anthropic SDKs send on every request (`x-stainless-retry-count`, 0 on the first
+    try, 1 on the first retry). Any API format's route reads them here."""
+    count = request.headers.get("x-stainless-retry-count", "")
+    retry = int(count) > 0 if count.isascii() and count.isdigit() else None
+    return Attempt(request_hash(body), request.headers.get("idempotency-key") or None, retry)
+
+
 @router.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA))
 async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
     return await _chat(request, None)
@@ -130,7 +141,7 @@ async def session_chat_completions(session_id: str, request: Request) -> dict[st
 @router.get("/v1/models")
 @router.get("/s/{session_id}/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": await _proxy(request).replicas.models()}
+    return {"object": "list", "data": await _proxy(request).models()}
 
 
 # -- sessions and rewards --------------------------------------------------------------------

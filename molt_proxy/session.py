@@ -1,4 +1,4 @@
-"""One session in memory: its segments, its lock, the reply a retry gets, and the hints a
+"""One session in memory: its segments, its lock, the replies a retry gets, and the hints a
 request names it by. State only; the registry that creates, finds and closes sessions is
 `sessions.py`."""
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt_proxy.auth import Principal
+from molt_proxy.errors import BadRequest
 from molt_proxy.types import RecordedReply, Segment, SessionStatus, Trajectory
 
 
@@ -23,6 +24,23 @@ class Caller:
     api_key: str | None
     group_id: str | None
     principal: Principal
+
+
+@dataclass(slots=True, frozen=True)
+class Attempt:
+    """One try at a request, whatever its wire format: what tells a retry (its client lost the
+    answer, so it gets the recorded reply again) from a new request that happens to repeat the
+    last one (an agent may resend a history to sample again). The route reads the headers the
+    OpenAI and Anthropic SDKs send."""
+
+    request_hash: str
+    """SHA-256 of the request body: a retry sends the same bytes."""
+    idempotency_key: str | None = None
+    """`Idempotency-Key`: the client's name for the request, kept with its turn; the same key is
+    the same request, whatever else is said."""
+    retry: bool | None = None
+    """`x-stainless-retry-count` above 0 (True) or 0 (False); None: the client does not say,
+    and a body identical to the last request's is taken for a retry."""
 
 
 @dataclass(slots=True)
@@ -44,11 +62,36 @@ class Session:
     last_request_hash: str | None = None
     last_reply: RecordedReply | None = None
     """What the last request (`last_request_hash`) was answered: a byte-identical retry gets it."""
+    keyed: dict[str, tuple[str, RecordedReply]] = field(default_factory=dict)
+    """Idempotency key → the request hash and reply of the turn recorded under it."""
     closed: bool = False
 
     @property
     def open_segment(self) -> Segment | None:
         return self.segments[-1] if self.segments else None
+
+    def answered(self, request_hash: str, idempotency_key: str | None, reply: RecordedReply | None) -> None:
+        """Remember a recorded turn's reply for the retries of its request (`Attempt`); None:
+        a row whose reply this version cannot read, never replayed."""
+        self.last_request_hash, self.last_reply = request_hash, reply
+        if idempotency_key is not None and reply is not None:
+            self.keyed[idempotency_key] = (request_hash, reply)
+
+    def replay(self, attempt: Attempt) -> RecordedReply | None:
+        """The reply to give again when `attempt` retries a request this session answered;
+        None: sample a new one. A key names its request, so one reused for another body is
+        refused rather than answered with a reply to something else."""
+        if attempt.idempotency_key is not None:
+            known = self.keyed.get(attempt.idempotency_key)
+            if known is not None and known[0] != attempt.request_hash:
+                raise BadRequest(
+                    "this Idempotency-Key was used for a different request in this session",
+                    param="Idempotency-Key",
+                )
+            return known[1] if known is not None else None
+        if attempt.retry is False or self.last_request_hash != attempt.request_hash:
+            return None
+        return self.last_reply
 
     def describe(self) -> dict[str, Any]:
         return {

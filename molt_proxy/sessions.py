@@ -1,7 +1,7 @@
 """Sessions: identification, per-session locks, segments, rewards (DESIGN §3).
 
 A session is one agent episode. It holds its segments (the last one open), a lock that
-serialises its turns, and the last request it answered (for idempotent retries). The
+serialises its turns, and the requests it answered (for idempotent retries). The
 registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
 A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
 from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
-from molt_proxy.session import Caller, Session
+from molt_proxy.session import Attempt, Caller, Session
 from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
@@ -86,7 +86,7 @@ class Sessions:
                     turn.sampling,
                 )
                 replayed.created, replayed.reward = turn.created, turn.reward
-                session.last_request_hash, session.last_reply = turn.request_hash, turn.reply
+                session.answered(turn.request_hash, turn.idempotency_key, turn.reply)
                 session.last_active = turn.created
                 session.call_ids |= turn.reply.call_ids if turn.reply is not None else set()
             self._register(session)
@@ -154,13 +154,13 @@ class Sessions:
 
     @asynccontextmanager
     async def turn(
-        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], request_hash: str
+        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], attempt: Attempt
     ) -> AsyncIterator[OpenTurn]:
         """The session `caller` names (or `rendered` continues), locked for one turn and
         released when the turn ends, however it ends."""
         session = await self._acquire(caller, rendered, call_ids)
         try:
-            yield OpenTurn(self, session, request_hash)
+            yield OpenTurn(self, session, attempt)
         finally:
             session.lock.release()
 
@@ -307,9 +307,11 @@ class Sessions:
         reply: RecordedReply,
         *,
         sampling: Sampling | None = None,
+        idempotency_key: str | None = None,
     ) -> None:
         """Persist a turn, then commit it to the session in memory. `sampling`: what vLLM
-        sampled it with, recorded on the turn for the trainer.
+        sampled it with, recorded on the turn for the trainer. Its retries are known by
+        `request_hash` and `idempotency_key` (`Attempt`).
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
@@ -323,6 +325,7 @@ class Sessions:
             request_hash,
             reply,
             sampling=sampling,
+            idempotency_key=idempotency_key,
         )
         await self.store.record_turn(session.id, stored)
         turn = commit_to(
@@ -336,7 +339,7 @@ class Sessions:
             sampling,
         )
         turn.created = stored.created
-        session.last_request_hash, session.last_reply = request_hash, reply
+        session.answered(request_hash, idempotency_key, reply)
         session.last_active = stored.created
         session.call_ids |= reply.call_ids
         self._by_completion[reply.completion_id] = session.id
@@ -374,18 +377,18 @@ class OpenTurn:
 
     sessions: Sessions
     session: Session
-    request_hash: str
+    attempt: Attempt
 
     @property
     def replay(self) -> RecordedReply | None:
-        """The reply to give again when this request is a byte-identical retry of the session's
-        last one (its client lost the answer); None: sample a new one."""
-        session = self.session
-        return session.last_reply if session.last_request_hash == self.request_hash else None
+        """The reply to give again when this request retries one the session answered (its
+        client lost the answer); None: sample a new one (`Session.replay`)."""
+        return self.session.replay(self.attempt)
 
     async def record(
         self, plan: PromptPlan, generation: Generation, reply: RecordedReply, sampling: Sampling | None
     ) -> None:
+        hashed, key = self.attempt.request_hash, self.attempt.idempotency_key
         await self.sessions.record(
-            self.session, plan, generation, self.request_hash, reply, sampling=sampling
+            self.session, plan, generation, hashed, reply, sampling=sampling, idempotency_key=key
         )

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from molt_proxy.store_migrations import (
-    add_turn_sampling,
+    add_turn_columns,
     decode_reply,
     hash_plain_session_keys,
     make_private,
@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS turns (
     request_hash TEXT NOT NULL,
     reply TEXT NOT NULL,
     reward REAL,
-    sampling TEXT
+    sampling TEXT,
+    idempotency_key TEXT
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
 CREATE TABLE IF NOT EXISTS completions (
@@ -110,6 +111,7 @@ def _turn(
     reply: str,
     reward: float | None,
     sampling: str | None,
+    idempotency_key: str | None,
 ) -> StoredTurn:
     generation = Generation(
         token_ids=_unpack("i", sampled),
@@ -127,6 +129,7 @@ def _turn(
         decode_reply(reply),
         reward,
         Sampling.from_json(json.loads(sampling)) if sampling else None,
+        idempotency_key,
     )
 
 
@@ -152,7 +155,7 @@ class Store:
         db.execute("PRAGMA foreign_keys=ON")
         hash_plain_session_keys(db)
         db.executescript(_SCHEMA)
-        add_turn_sampling(db)
+        add_turn_columns(db)
         self._db = db
 
     async def close(self) -> None:
@@ -202,7 +205,8 @@ class Store:
             result[sid] = (stored, [])
         for sid, *turn in self.db.execute(
             "SELECT t.session_id, t.completion_id, t.segment, t.new_ids, t.sampled_ids, t.logprobs,"
-            " t.versions, t.finish_reason, t.created, t.request_hash, t.reply, t.reward, t.sampling"
+            " t.versions, t.finish_reason, t.created, t.request_hash, t.reply, t.reward, t.sampling,"
+            " t.idempotency_key"
             " FROM turns t JOIN sessions s ON s.id = t.session_id WHERE s.status = ? ORDER BY t.position",
             (SessionStatus.OPEN.value,),
         ):
@@ -232,8 +236,8 @@ class Store:
         await self._run(
             self.db.execute,
             "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-            " versions, finish_reason, created, request_hash, reply, sampling)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.completion_id,
                 session_id,
@@ -247,6 +251,7 @@ class Store:
                 turn.request_hash,
                 json.dumps(turn.reply.to_json()) if turn.reply is not None else "{}",
                 json.dumps(asdict(turn.sampling)) if turn.sampling else None,
+                turn.idempotency_key,
             ),
         )
 

@@ -27,11 +27,14 @@ def make_private(path: str) -> None:
             os.chmod(file, 0o600)
 
 
-def add_turn_sampling(db: sqlite3.Connection) -> None:
-    """A store from before turns recorded their sampling gets the column, NULL on its rows: the
-    trainer leaves the tokens of such turns out, as it cannot know their distribution."""
-    if "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]:
-        db.execute("ALTER TABLE turns ADD COLUMN sampling TEXT")
+def add_turn_columns(db: sqlite3.Connection) -> None:
+    """A store from before a turn column existed gets it, NULL on its rows: `sampling` (the
+    trainer leaves the tokens of such turns out, as it cannot know their distribution) and
+    `idempotency_key` (such a turn is replayed by its request hash only)."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(turns)")]
+    for name in ("sampling", "idempotency_key"):
+        if name not in columns:
+            db.execute(f"ALTER TABLE turns ADD COLUMN {name} TEXT")
 
 
 def hash_plain_session_keys(db: sqlite3.Connection) -> None:

@@ -261,3 +261,5 @@ class StoredTurn:
     reward: float | None = None
     sampling: Sampling | None = None
     """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""
+    idempotency_key: str | None = None
+    """The request's `Idempotency-Key`, if it sent one: a retry with the key gets `reply`."""

@@ -28,19 +28,6 @@ from tests.inprocess import serve_app
 MAX_MODEL_LEN = 2048
 
 
-SERVERS = ("qwen3_vllm", "llama_vllm", "digits_vllm", "agents_sdk_vllm")
-"""The session's real vLLM servers (about 3 GB each)."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under xdist (`-n 2 --dist loadgroup`, the default in pyproject), the tests of one vLLM
-    server run in one worker: no server boots twice, and memory stays what one process needs."""
-    for item in items:
-        server = next((name for name in SERVERS if name in item.fixturenames), None)
-        if server:
-            item.add_marker(pytest.mark.xdist_group(server))
-
-
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """The folder `build` fills, built once per test run: under xdist by whichever worker asks
     first, in the run's shared temporary folder, while the others wait for it."""

@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from devtools import weather_episode
 from molt_proxy.export import load
-from tests.conftest import ProxyProcess
+from tests.conftest import ProxyProcess, app_proxy
 from tests.helpers import assert_exact, play, trajectories
 
 
@@ -22,13 +22,11 @@ def test_kill9_after_reward_then_restart_keeps_the_trajectory(qwen3_model, qwen3
     httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "durable", "reward": 2.5}).raise_for_status()
     before = trajectories(proxy.url)
     proxy.kill9()
-    restarted = ProxyProcess(
+    # The restarted proxy runs in this process: what matters is that the killed one is gone.
+    with app_proxy(
         qwen3_model, qwen3_vllm.url, tmp_path / "p.db", ["--tool-call-parser", "hermes"]
-    ).start()
-    try:
+    ) as restarted:
         assert trajectories(restarted.url) == before
-    finally:
-        restarted.stop()
 
 
 def test_kill9_mid_episode_then_the_episode_continues_in_the_same_segment(qwen3_model, qwen3_vllm, tmp_path):
@@ -37,21 +35,19 @@ def test_kill9_mid_episode_then_the_episode_continues_in_the_same_segment(qwen3_
     conversation = weather_episode("hermes")
     run = play(OpenAI(base_url=proxy.base_url("resumed"), api_key="x"), conversation, replies=2)
     proxy.kill9()  # after two acknowledged turns
-    proxy = ProxyProcess(qwen3_model, qwen3_vllm.url, tmp_path / "p.db", args).start()
-    try:
-        run = play(OpenAI(base_url=proxy.base_url("resumed"), api_key="x"), conversation, run=run)
+    with app_proxy(qwen3_model, qwen3_vllm.url, tmp_path / "p.db", args) as restarted:
+        run = play(OpenAI(base_url=restarted.base_url("resumed"), api_key="x"), conversation, run=run)
         assert len(run.replies) == 5
-        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "resumed", "reward": 1}).raise_for_status()
-        [record] = trajectories(proxy.url)
-        assert [t["completion_id"] for t in record["turns"]] == [r.id for r in run.replies]
-        assert_exact(record, qwen3_model)
-    finally:
-        proxy.stop()
+        httpx.post(
+            f"{restarted.url}/v1/rewards", json={"session_id": "resumed", "reward": 1}
+        ).raise_for_status()
+        [record] = trajectories(restarted.url)
+    assert [t["completion_id"] for t in record["turns"]] == [r.id for r in run.replies]
+    assert_exact(record, qwen3_model)
 
 
 def test_export_round_trip_jsonl_and_parquet(qwen3_model, qwen3_vllm, tmp_path):
-    proxy = ProxyProcess(qwen3_model, qwen3_vllm.url, tmp_path / "p.db", []).start()
-    try:
+    with app_proxy(qwen3_model, qwen3_vllm.url, tmp_path / "p.db") as proxy:
         for name, reward in (("e1", 1.0), ("e2", -0.5)):
             client = OpenAI(base_url=proxy.base_url(name), api_key="x")
             client.chat.completions.create(
@@ -62,8 +58,6 @@ def test_export_round_trip_jsonl_and_parquet(qwen3_model, qwen3_vllm, tmp_path):
                 f"{proxy.url}/v1/rewards", json={"session_id": name, "reward": reward, "info": info}
             ).raise_for_status()
         served = trajectories(proxy.url)
-    finally:
-        proxy.stop()
     assert [t["info"]["task"] for t in served] == ["e1", "e2"]
     for fmt in ("jsonl", "parquet"):
         out = tmp_path / f"out.{fmt}"

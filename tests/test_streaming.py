@@ -11,6 +11,7 @@ import httpx
 from openai import OpenAI
 
 from devtools import thinking_episode, weather_episode
+from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import assert_exact, play, trajectories
 
 
@@ -94,8 +95,11 @@ def test_deltas_arrive_piece_by_piece(qwen3_model, qwen3_vllm, start_proxy):
         )
     )
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(pieces) > 5 and "".join(pieces) == episode["messages"][5]["content"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(pieces) + 1  # + <|im_end|>
+    content = episode["messages"][5]["content"]
+    assert len(pieces) > 5 and "".join(pieces) == content
+    # A busy machine may get several tokens in one delta: count the taught reply's tokens.
+    sampled = len(Tokenizer.load(str(qwen3_model)).encode(content)) + 1  # + <|im_end|>
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sampled
 
 
 def test_streamed_reasoning_goes_to_reasoning_content(qwen3_model, qwen3_vllm, start_proxy):

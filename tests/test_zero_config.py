@@ -11,7 +11,7 @@ import httpx
 from openai import OpenAI
 
 from devtools import WEATHER_TOOL
-from tests.conftest import ProxyProcess
+from tests.conftest import AppProxy, ProxyProcess, app_proxy
 from tests.helpers import assert_exact, reply_as_message, trajectories
 
 QUESTION = "What is the weather in Paris and London?"
@@ -46,7 +46,7 @@ def agent(client: OpenAI, system: str, turns: int = 3, **kwargs: Any) -> list[An
     return replies
 
 
-def reward(proxy: ProxyProcess, **body: Any) -> httpx.Response:
+def reward(proxy: AppProxy, **body: Any) -> httpx.Response:
     return httpx.post(f"{proxy.url}/v1/rewards", json=body, timeout=30)
 
 
@@ -161,17 +161,17 @@ def test_an_inferred_session_survives_a_proxy_restart(qwen3_model, qwen3_vllm, t
     proxy = ProxyProcess(
         qwen3_model, qwen3_vllm.url, tmp_path / "p.db", ["--tool-call-parser", "hermes"]
     ).start()
-    client = OpenAI(base_url=proxy.base_url(), api_key="-")
-    try:
-        [first] = agent(client, SYSTEMS[0], turns=1)
-        proxy.kill9()
-        proxy.start()
+    [first] = agent(OpenAI(base_url=proxy.base_url(), api_key="-"), SYSTEMS[0], turns=1)
+    proxy.kill9()
+    # The restarted proxy runs in this process: what matters is that the killed one is gone.
+    with app_proxy(
+        qwen3_model, qwen3_vllm.url, tmp_path / "p.db", ["--tool-call-parser", "hermes"]
+    ) as restarted:
+        client = OpenAI(base_url=restarted.base_url(), api_key="-")
         second = client.chat.completions.create(
             model="tiny", messages=_second_request(first), tools=[WEATHER_TOOL], temperature=0, max_tokens=60
         )
         session = first.model_extra["session_id"]
         assert second.model_extra["session_id"] == session
-        [segment] = httpx.get(f"{proxy.url}/v1/sessions/{session}").json()["segments"]
-        assert segment["turns"] == [first.id, second.id]
-    finally:
-        proxy.stop()
+        [segment] = httpx.get(f"{restarted.url}/v1/sessions/{session}").json()["segments"]
+    assert segment["turns"] == [first.id, second.id]
