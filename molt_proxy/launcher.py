@@ -354,7 +354,7 @@ class Supervisor:
         except OSError as exc:
             log.error("could not kill vLLM at %s: %r", self.url, exc)
         self._exit_code = self.server.returncode
-        self._failed(why, now)
+        self._failed(why, time.monotonic())  # the back-off runs from the kill, however long it took
 
     def _failed(self, why: str, now: float) -> None:
         while self._recent and now - self._recent[0] > self._window_s:

@@ -4,6 +4,7 @@ logprobs with a float32 `transformers` forward."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -16,6 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoModelForCausalLM
 
 from devtools import Conversation
+from molt_proxy import store
 
 
 def reply_as_message(message: Any) -> dict[str, Any]:
@@ -169,3 +171,27 @@ def assert_exact(trajectory: dict[str, Any], model_dir: Path, tolerance: float =
         assert abs(logprobs[i] - reference[i]) <= tolerance, (i, logprobs[i], reference[i])
     assert all(logprobs[i] == 0.0 for i in range(len(ids)) if not mask[i])
     assert all(trajectory["weight_versions"][i] == -1 for i in range(len(ids)) if not mask[i])
+
+
+def write_old_store(path: Path, schema: str, reply: str, *, inferred: bool = False) -> None:
+    """A store as an earlier version wrote it: `schema`, open session `s` and one turn of it
+    (`completion_id` "chatcmpl-old": prompt ids [1, 2], sampled [3] at logprob -0.5 under
+    version 0, request hash "h", `reply` as stored JSON)."""
+    db = sqlite3.connect(path)
+    db.executescript(schema)
+    session = "INSERT INTO sessions (id, inferred, status, created) VALUES ('s', ?, 'open', 0)"
+    db.execute(session, (int(inferred),))
+    db.execute(
+        "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
+        " versions, finish_reason, created, request_hash, reply)"
+        " VALUES ('chatcmpl-old', 's', 0, ?, ?, ?, ?, 'stop', 0, 'h', ?)",
+        (
+            *(
+                store._pack(kind, values)
+                for kind, values in (("i", [1, 2]), ("i", [3]), ("d", [-0.5]), ("i", [0]))
+            ),
+            reply,
+        ),
+    )
+    db.commit()
+    db.close()

@@ -26,6 +26,7 @@ from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import ParsedReply, RecordedReply
+from tests.helpers import write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, qwen3_tokenizer_dir
 
 CHAT = "/v1/chat/completions"
@@ -169,25 +170,11 @@ def test_a_restarted_proxy_still_replays_by_key_and_by_retry_count(tmp_path: Pat
 
 def test_a_store_from_before_idempotency_keys_opens_and_replays_its_turns_by_hash(tmp_path: Path):
     db_path = tmp_path / "old.db"
-    db = sqlite3.connect(db_path)
-    db.executescript(store._SCHEMA.replace(",\n    idempotency_key TEXT", ""))
-    assert "idempotency_key" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
     reply = RecordedReply("chatcmpl-old", 5, "tiny", ParsedReply("ok"), "stop", 2, 1)
-    db.execute("INSERT INTO sessions (id, inferred, status, created) VALUES ('s', 0, 'open', 0)")
-    db.execute(
-        "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-        " versions, finish_reason, created, request_hash, reply)"
-        " VALUES ('chatcmpl-old', 's', 0, ?, ?, ?, ?, 'stop', 0, 'h', ?)",
-        (
-            store._pack("i", [1, 2]),
-            store._pack("i", [3]),
-            store._pack("d", [-0.5]),
-            store._pack("i", [0]),
-            json.dumps(reply.to_json()),
-        ),
-    )
-    db.commit()
-    db.close()
+    schema = store._SCHEMA.replace(",\n    idempotency_key TEXT", "")
+    write_old_store(db_path, schema, json.dumps(reply.to_json()))
+    with sqlite3.connect(db_path) as db:
+        assert "idempotency_key" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
 
     async def reopen() -> Sessions:
         opened = Store(db_path)

@@ -22,7 +22,7 @@ from molt_proxy.config import Settings
 from molt_proxy.sampling import parse_pins
 from molt_proxy.store import Store
 from molt_proxy.types import Sampling, Turn
-from tests.helpers import trajectories
+from tests.helpers import trajectories, write_old_store
 from tests.inprocess import chat_body, mock_vllm, post, qwen3_tokenizer_dir, serve_app
 
 DEFAULTS = {
@@ -124,18 +124,9 @@ def test_an_open_sessions_sampling_survives_a_restart(tmp_path):
 
 def test_a_store_from_before_sampling_was_recorded_opens_and_its_turns_read_none(tmp_path):
     db_path = tmp_path / "old.db"
-    db = sqlite3.connect(db_path)
-    db.executescript(store._SCHEMA.replace(",\n    sampling TEXT", ""))
-    assert "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
-    db.execute("INSERT INTO sessions (id, inferred, status, created) VALUES ('s', 0, 'open', 0)")
-    db.execute(
-        "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-        " versions, finish_reason, created, request_hash, reply)"
-        " VALUES ('c', 's', 0, ?, ?, ?, ?, 'stop', 0, 'h', '{}')",
-        (store._pack("i", [1, 2]), store._pack("i", [3]), store._pack("d", [-0.5]), store._pack("i", [0])),
-    )
-    db.commit()
-    db.close()
+    write_old_store(db_path, store._SCHEMA.replace(",\n    sampling TEXT", ""), "{}")
+    with sqlite3.connect(db_path) as db:
+        assert "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
 
     async def reopen() -> list:
         old = Store(db_path)

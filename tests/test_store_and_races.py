@@ -27,6 +27,7 @@ from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
 from molt_proxy.wire.openai import encode_reply
+from tests.helpers import write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, mock_vllm, qwen3_tokenizer_dir, serve_app
 
 TRIALS = 20
@@ -363,23 +364,7 @@ def test_a_turn_an_older_proxy_stored_with_its_openai_reply_is_replayed_the_same
         "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
         "session_id": "s",
     }
-    db = sqlite3.connect(tmp_path / "old.db")
-    db.executescript(store_module._SCHEMA)
-    db.execute("INSERT INTO sessions (id, inferred, status, created) VALUES ('s', 1, 'open', 0)")
-    db.execute(
-        "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-        " versions, finish_reason, created, request_hash, reply) VALUES ('chatcmpl-old', 's', 0, ?, ?, ?, ?,"
-        " 'stop', 0, 'h', ?)",
-        (
-            store_module._pack("i", [1, 2]),
-            store_module._pack("i", [3]),
-            store_module._pack("d", [-0.5]),
-            store_module._pack("i", [0]),
-            json.dumps(old_reply),
-        ),
-    )
-    db.commit()
-    db.close()
+    write_old_store(tmp_path / "old.db", store_module._SCHEMA, json.dumps(old_reply), inferred=True)
 
     async def scenario() -> None:
         store = Store(tmp_path / "old.db")

@@ -54,7 +54,7 @@ def zombie_or_alive(pid: int) -> bool:
 def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(tmp_path):
     async def scenario() -> None:
         server = sleeper(tmp_path)
-        supervisor = Supervisor(server, max_restarts=2, backoff_s=0.2, window_s=600)
+        supervisor = Supervisor(server, max_restarts=2, backoff_s=0.5, window_s=600)
         await supervisor.observe(True)
         assert supervisor.state is ProcessState.RUNNING
 
@@ -67,9 +67,9 @@ def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(
         assert supervisor.describe() == {
             "state": "backing_off", "pid": None, "restarts": 0, "last_exit_code": -signal.SIGKILL,
         }  # fmt: skip
-        await supervisor.observe(False)  # the back-off (0.2 s) has not passed
+        await supervisor.observe(False)  # the back-off (0.5 s) has not passed
         assert supervisor.state is ProcessState.BACKING_OFF
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.6)
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BOOTING and supervisor.restarts == 1
         second = server.process.pid
@@ -82,10 +82,10 @@ def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(
         os.kill(second, signal.SIGSTOP)  # it hangs: alive, but its probes fail
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BACKING_OFF and not zombie_or_alive(second)
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.6)
         await supervisor.observe(False)
-        assert supervisor.state is ProcessState.BACKING_OFF, "the second back-off is doubled (0.4 s)"
-        await asyncio.sleep(0.2)
+        assert supervisor.state is ProcessState.BACKING_OFF, "the second back-off is doubled (1 s)"
+        await asyncio.sleep(0.5)
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BOOTING and supervisor.restarts == 2
 
