@@ -202,6 +202,12 @@ def test_replies_and_models_carry_the_served_model_name(tmp_path: Path):
         models = httpx.get(url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["my-policy", "alias"]
         assert all(m["max_model_len"] == models[0]["max_model_len"] for m in models)
+        client = OpenAI(base_url=url + "/v1", api_key="-")  # as an agent's SDK sees them
+        assert [m.id for m in client.models.list()] == ["my-policy", "alias"]
+        created = client.chat.completions.create(
+            model="my-policy", messages=[{"role": "user", "content": "sdk"}]
+        )
+        assert created.model == "my-policy"
 
 
 def test_without_a_served_model_name_replies_carry_the_name_vllm_serves(proxy):

@@ -47,8 +47,9 @@ class ChatCall:
 
 def decode_chat_request(body: bytes) -> ChatCall:
     """Bytes → a validated request whose messages are plain dicts with text content. The
-    messages and tools are kept as sent: pydantic drops keys it does not know, such as
-    `reasoning_content`, and the chat template must see them."""
+    messages and tools are kept as sent: vLLM's model drops or renames keys (pydantic drops
+    unknown ones; `reasoning_content` becomes `reasoning`), and the chat template must see
+    them as the agent wrote them."""
     data = decode_json_object(body)
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
