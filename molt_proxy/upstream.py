@@ -1,7 +1,8 @@
 """The only module that speaks HTTP to vLLM (DESIGN §4).
 
 Token in, token out: `POST /inference/v1/generate` (vLLM's `--enable-scale-out` route)
-takes the exact prompt ids and returns the sampled ids, their logprobs and per-token weight
+takes the exact prompt ids and returns the sampled ids, their logprobs (with the most likely
+alternatives at each position when an agent asks for `top_logprobs`) and per-token weight
 versions. A vLLM upgrade that moves these fields touches this file only.
 
 The client is aiohttp: measured on these machines it sustains about ten times httpx's
