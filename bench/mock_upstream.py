@@ -2,7 +2,8 @@
 
 It answers the routes the front-ends call, with bodies shaped like vLLM 0.32's:
 `POST /inference/v1/generate` (molt-proxy: `choices[0].token_ids`, `logprobs.content[i]`,
-`weight_versions` spans, `finish_reason`; with `stream: true`, one SSE chunk per id),
+`weight_versions` spans, `finish_reason`; with `stream: true`, one SSE chunk per id; top
+logprobs in vLLM's order when `sampling_params.logprobs` asks for them, see `top_logprobs`),
 `POST /v1/chat/completions` (the pass-through and LiteLLM; streamed one word per chunk),
 `GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
 once; aiohttp's server keeps the per-request cost to well under a millisecond.
@@ -24,6 +25,19 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+
+
+def top_logprobs(position: int, sampled: int, asked: int) -> list[dict[str, Any]]:
+    """vLLM's `top_logprobs` at one position when asked for `asked` (> 0): the sampled id first,
+    then the most likely ids, the list cut at `asked` entries. Here the sampled id (logprob
+    -0.5) ranks 1 + position % 3, among ids 1000, 1001, ... whose logprobs step by 0.125."""
+    rank = 1 + position % 3
+    others = [i for i in range(1000, 1000 + asked + 2) if i != sampled]
+    ranked = [*others[: rank - 1], sampled, *others[rank - 1 :]]
+    entries = {sampled: {"token_id": sampled, "logprob": -0.5, "rank": rank}}
+    for r, token_id in enumerate(ranked[:asked], start=1):
+        entries.setdefault(token_id, {"token_id": token_id, "logprob": -0.5 - (r - rank) * 0.125, "rank": r})
+    return list(entries.values())[:asked]
 
 
 def build_app(
@@ -62,11 +76,20 @@ def build_app(
         await resp.write_eof()
         return resp
 
-    def token_chunks() -> list[dict]:
+    def with_top(asked: int) -> dict[str, Any]:
+        """The logprobs of the reply with `asked` top logprobs per position."""
+        content = [
+            {**entry, "top_logprobs": top_logprobs(n, entry["token_id"], asked)}
+            for n, entry in enumerate(logprobs["content"])
+        ]
+        return {"content": content}
+
+    def token_chunks(asked: int = 0) -> list[dict]:
         """vLLM's streamed shape: one chunk per sampled id; the finish reason and the
         weight-version spans come on the last one."""
         chunks = []
-        for n, (token_id, entry) in enumerate(zip(reply_ids, logprobs["content"], strict=True)):
+        content = with_top(asked)["content"] if asked else logprobs["content"]
+        for n, (token_id, entry) in enumerate(zip(reply_ids, content, strict=True)):
             last = n == len(reply_ids) - 1
             piece = {"index": 0, "token_ids": [token_id], "logprobs": {"content": [entry]}}
             piece["finish_reason"] = "stop" if last else None
@@ -99,15 +122,16 @@ def build_app(
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         generated.append(body)
+        asked = body["sampling_params"].get("logprobs") or 0
         if body.get("stream"):
-            return await sse(request, streamed_tokens)
+            return await sse(request, token_chunks(asked) if asked else streamed_tokens)
         prompt = body["token_ids"]
         reply = {
             "request_id": uuid.uuid4().hex,
             "model": model,
             "created": int(time.time()),
             "output_mode": "tokens",
-            "choices": [choice],
+            "choices": [{**choice, "logprobs": with_top(asked)} if asked else choice],
             "usage": {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(reply_ids),

@@ -23,6 +23,8 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
 from molt_proxy.conversation import Conversation
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
@@ -32,7 +34,8 @@ from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import OpenTurn, Sessions
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
-from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment
+from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment, TokenLogprobs
+from molt_proxy.upstream import TokenDelta
 from molt_proxy.wire.events import Answer, Closed, Delta, Opened, Replayed, StreamEvent
 
 OFF_LOOP_BYTES = 64 * 1024
@@ -92,8 +95,9 @@ class Completions:
             message = self.parser.parse(
                 generation.token_ids, generation.finish_reason, conversation.parser_request, plan.ids
             )
+            shown = shown_logprobs(conversation.top_logprobs, generation)
             reply = await self._finish(
-                turn, prepared, generation, message, _new_completion_id(), int(time.time())
+                turn, prepared, generation, message, _new_completion_id(), int(time.time()), shown
             )
             return Answer(reply, turn.session.id)
 
@@ -125,13 +129,18 @@ class Completions:
                     if isinstance(item, Generation):
                         generation = item
                         break
+                    # before `feed`, which may pop a held-back stop id off `item.token_ids`
+                    shown = shown_logprobs(conversation.top_logprobs, item)
                     delta = reply_stream.feed(item.token_ids)
-                    if delta is not None:
-                        yield Delta(delta)
+                    if delta is not None or shown is not None:
+                        yield Delta(delta or DeltaMessage(), shown)
             if generation is None:
                 raise UpstreamError("vLLM's stream ended without its final result")
             last = reply_stream.finish(generation.finish_reason)
-            reply = await self._finish(turn, prepared, generation, reply_stream.reply, completion_id, created)
+            shown = shown_logprobs(conversation.top_logprobs, generation)
+            reply = await self._finish(
+                turn, prepared, generation, reply_stream.reply, completion_id, created, shown
+            )
             yield Closed(reply, last)
 
     @asynccontextmanager
@@ -164,9 +173,10 @@ class Completions:
         message: ParsedReply,
         completion_id: str,
         created: int,
+        logprobs: list[TokenLogprobs] | None,
     ) -> RecordedReply:
         """The closing every turn shares: the reply in neutral form, recorded with the turn
-        (a retry of this request is answered from it)."""
+        (a retry of this request is answered from it, logprobs included)."""
         reply = RecordedReply(
             completion_id=completion_id,
             created=created,
@@ -175,6 +185,7 @@ class Completions:
             finish_reason=generation.finish_reason,
             prompt_tokens=len(prepared.plan.ids),
             completion_tokens=len(generation.token_ids),
+            logprobs=logprobs,
         )
         await turn.record(prepared.plan, generation, reply, prepared.applied)
         return reply
@@ -205,6 +216,18 @@ class Completions:
         if len(body) < OFF_LOOP_BYTES:
             return plan_prompt(segment, rendered, self.tokenizer)
         return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
+
+
+def shown_logprobs(asked: int | None, sampled: Generation | TokenDelta) -> list[TokenLogprobs] | None:
+    """The logprobs a reply shows (`Conversation.top_logprobs`): vLLM's floats for the sampled
+    ids, the ones the turn records, with the top alternatives vLLM gave; None if not asked."""
+    if asked is None:
+        return None
+    top = sampled.top_logprobs or [[] for _ in sampled.token_ids]
+    return [
+        TokenLogprobs(token_id, logprob, alternatives)
+        for token_id, logprob, alternatives in zip(sampled.token_ids, sampled.logprobs, top, strict=True)
+    ]
 
 
 def _new_completion_id() -> str:

@@ -44,6 +44,9 @@ class Conversation:
     """The session the request names in its body (OpenAI's `metadata.session_id`), if any."""
     call_ids: frozenset[str]
     """The tool-call ids the history echoes; they tell which session a request continues."""
+    top_logprobs: int | None = None
+    """The reply is to show its tokens' logprobs, with this many most likely alternatives per
+    token (0: none); None: no logprobs."""
 
 
 def echoed_call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:

@@ -93,6 +93,7 @@ def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: lis
         "--port", str(port),
         "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
+        "--max-logprobs", "21",  # an agent's top_logprobs 20, plus one (`upstream.top_asked`)
     ]  # fmt: skip
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]

@@ -90,9 +90,9 @@ async def _chat(request: Request, path_session: str | None) -> dict[str, Any] | 
     attempt = _attempt(request, body)
     if not call.stream:
         answer = await proxy.completions.complete(caller, conversation, body, attempt)
-        return encode_reply(answer.reply, answer.session_id)
+        return encode_reply(answer.reply, answer.session_id, proxy.tokenizer.token_bytes)
     turn = proxy.completions.stream(caller, conversation, body, attempt)
-    events = encode_stream(turn, call.include_usage)
+    events = encode_stream(turn, call.include_usage, proxy.tokenizer.token_bytes)
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 

@@ -184,6 +184,9 @@ class Generation:
     finish_reason: str
     prompt_token_ids: list[int] | None = None
     """The prompt ids vLLM reports it received, when it reports them."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """[N][k] (id, logprob) of the k most likely ids at each sampled position, most likely
+    first, when the request asked vLLM for them (an agent's `top_logprobs`); else None."""
 
 
 @dataclass(slots=True)
@@ -195,6 +198,22 @@ class ParsedReply:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     """[calls] `{"id", "type": "function", "function": {"name", "arguments"}}`, the shape vLLM's
     tool parsers produce; `arguments` is the exact JSON text the model sampled where found."""
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One sampled token as an agent asked to see it (OpenAI's `logprobs`): not part of the
+    record, whose logprobs are `Segment.logprobs` (the same floats)."""
+
+    token_id: int
+    logprob: float
+    """The sampled id's logprob under the processed distribution, as recorded."""
+    top: list[tuple[int, float]]
+    """[k] (id, logprob) of the k most likely ids at this position, most likely first."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TokenLogprobs:
+        return cls(data["token_id"], data["logprob"], [(int(i), float(lp)) for i, lp in data["top"]])
 
 
 @dataclass(slots=True)
@@ -212,6 +231,9 @@ class RecordedReply:
     """vLLM's reason: `stop` or `length`."""
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    """[N] every sampled token's logprob (and top alternatives), when the request asked for
+    them: kept so that a replayed reply shows the same ones; None when it did not ask."""
 
     @property
     def call_ids(self) -> set[str]:
@@ -223,7 +245,10 @@ class RecordedReply:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RecordedReply:
-        return cls(**{**data, "message": ParsedReply(**data["message"])})
+        logprobs = data.get("logprobs")
+        if logprobs is not None:
+            logprobs = [TokenLogprobs.from_json(entry) for entry in logprobs]
+        return cls(**{**data, "message": ParsedReply(**data["message"]), "logprobs": logprobs})
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """The only module that speaks HTTP to vLLM (DESIGN §4).
 
 Token in, token out: `POST /inference/v1/generate` (vLLM's `--enable-scale-out` route)
-takes the exact prompt ids and returns the sampled ids, their logprobs and per-token weight
+takes the exact prompt ids and returns the sampled ids, their logprobs (with the most likely
+alternatives at each position when an agent asks for `top_logprobs`) and per-token weight
 versions. A vLLM upgrade that moves these fields touches this file only.
 
 The client is aiohttp: measured on these machines it sustains about ten times httpx's
@@ -99,8 +100,30 @@ def parse_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
     return list(ids), [entry["logprob"] for entry in content]
 
 
-def parse_generation(body: dict[str, Any]) -> Generation:
-    """vLLM's whole (not streamed) answer to one generate request."""
+def top_asked(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields as sent to vLLM: `logprobs` k > 0 (an agent's `top_logprobs`) asks
+    for k + 1. vLLM lists the sampled id first, then the most likely ones, and cuts the list at
+    the count asked: a sampled id outside the top k would push the k-th out of a list of k."""
+    k = sampling.get("logprobs") or 0
+    return {**sampling, "logprobs": k + 1} if k else sampling
+
+
+def parse_top(choice: dict[str, Any], k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely ids at each sampled position, most likely first, from vLLM's lists of
+    k + 1 (`top_asked`); candidates of equal logprob keep vLLM's order."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    top = []
+    for entry in content:
+        candidates = [(c["token_id"], c["logprob"]) for c in entry.get("top_logprobs") or []]
+        if not candidates:
+            raise UpstreamError("vLLM returned no top logprobs for a sampled token")
+        top.append(sorted(candidates, key=lambda c: -c[1])[:k])
+    return top
+
+
+def parse_generation(body: dict[str, Any], top: int) -> Generation:
+    """vLLM's whole (not streamed) answer to one generate request; `top`: the k most likely
+    ids asked for at each position (0: none)."""
     choice = body["choices"][0]
     ids, logprobs = parse_tokens(choice)
     return Generation(
@@ -109,6 +132,7 @@ def parse_generation(body: dict[str, Any]) -> Generation:
         weight_versions=parse_versions(choice.get("weight_versions"), len(ids)),
         finish_reason=choice.get("finish_reason") or "stop",
         prompt_token_ids=body.get("prompt_token_ids"),
+        top_logprobs=parse_top(choice, top) if top else None,
     )
 
 
@@ -118,6 +142,8 @@ class TokenDelta:
 
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """As `Generation.top_logprobs`, for these ids."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,8 +202,12 @@ class Upstream:
     async def generate(
         self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> Generation:
-        body = {"token_ids": prompt_ids, "sampling_params": sampling, "return_token_ids": return_prompt_ids}
-        return parse_generation(await self._request("POST", _GENERATE, body))
+        body = {
+            "token_ids": prompt_ids,
+            "sampling_params": top_asked(sampling),
+            "return_token_ids": return_prompt_ids,
+        }
+        return parse_generation(await self._request("POST", _GENERATE, body), sampling.get("logprobs") or 0)
 
     async def stream(
         self, prompt_ids: list[int], sampling: dict[str, Any]
@@ -189,9 +219,11 @@ class Upstream:
         the request. A stream that ends without a finish reason was cut short: the server
         went away, so it is `UpstreamUnavailable`.
         """
-        body = {"token_ids": prompt_ids, "sampling_params": sampling, "stream": True}
+        body = {"token_ids": prompt_ids, "sampling_params": top_asked(sampling), "stream": True}
+        k = sampling.get("logprobs") or 0
         ids: list[int] = []
         logprobs: list[float] = []
+        top: list[list[tuple[int, float]]] = []
         spans: list[dict[str, Any]] | None = None
         finish_reason: str | None = None
         async with self._send("POST", _GENERATE, body) as resp:
@@ -202,12 +234,16 @@ class Upstream:
                     spans = choice.get("weight_versions") or spans
                     finish_reason = choice.get("finish_reason") or finish_reason
                     if delta_ids:
+                        delta_top = parse_top(choice, k) if k else None
                         ids += delta_ids
                         logprobs += delta_logprobs
-                        yield TokenDelta(delta_ids, delta_logprobs)
+                        top += delta_top or []
+                        yield TokenDelta(delta_ids, delta_logprobs, delta_top)
         if finish_reason is None:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} ended the stream before it finished")
-        yield Generation(ids, logprobs, parse_versions(spans, len(ids)), finish_reason)
+        yield Generation(
+            ids, logprobs, parse_versions(spans, len(ids)), finish_reason, top_logprobs=top if k else None
+        )
 
     async def models(self) -> list[dict[str, Any]]:
         return (await self._request("GET", "/v1/models"))["data"]

@@ -373,7 +373,7 @@ def test_a_turn_an_older_proxy_stored_with_its_openai_reply_is_replayed_the_same
         await sessions.recover()
         session = sessions.get("s")
         assert session.last_reply is not None and session.last_reply.finish_reason == "stop"
-        assert encode_reply(session.last_reply, "s") == old_reply
+        assert encode_reply(session.last_reply, "s", tokenizer.token_bytes) == old_reply
         assert session.call_ids == {"call-1"}
         await store.close()
 

@@ -160,7 +160,7 @@ CHAT_SCHEMA: dict[str, Any] = {
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "logprobs": {"type": "boolean"},
-        "top_logprobs": {"type": "integer", "minimum": 0},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         "tools": {"type": "array", "items": _TOOL},
         "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, {"type": "object"}]},
         "metadata": {"type": "object"},

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
-from molt_proxy.types import RecordedReply
+from molt_proxy.types import RecordedReply, TokenLogprobs
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +41,9 @@ class Delta:
     """What the parsers read from the ids sampled since the last event."""
 
     delta: DeltaMessage
+    logprobs: list[TokenLogprobs] | None = None
+    """Those ids' logprobs, when the request asked for them (else None); with them, a delta
+    goes out even when the parsers hold its text back (an empty `delta`)."""
 
 
 @dataclass(slots=True, frozen=True)

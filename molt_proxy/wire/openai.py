@@ -26,9 +26,10 @@ from vllm.exceptions import VLLMValidationError
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
-from molt_proxy.types import ParsedReply, RecordedReply
+from molt_proxy.types import ParsedReply, RecordedReply, TokenLogprobs
 from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
 from molt_proxy.wire.jsonbody import decode_json_object
+from molt_proxy.wire.logprobs import TokenBytes, encode_logprobs, requested_logprobs
 from molt_proxy.wire.sse import DONE, data_event
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -54,6 +55,7 @@ def decode_chat_request(body: bytes) -> ChatCall:
     if not isinstance(data.get("messages"), list) or not data["messages"]:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     messages = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
+    top_logprobs = requested_logprobs(data)
     # vLLM's validator rewrites the dicts it is given (`reasoning_content` → `reasoning`),
     # and the chat template reads `reasoning_content`: it validates copies.
     request = _validate({**data, "messages": [dict(m) for m in messages]})
@@ -72,6 +74,7 @@ def decode_chat_request(body: bytes) -> ChatCall:
         parser_request=request,
         session_id=_metadata_session(data.get("metadata")),
         call_ids=echoed_call_ids(messages),
+        top_logprobs=top_logprobs,
     )
     usage_chunk = bool(request.stream_options and request.stream_options.include_usage)
     return ChatCall(conversation, bool(request.stream), usage_chunk)
@@ -277,7 +280,7 @@ def _message(reply: ParsedReply) -> dict[str, Any]:
     return message
 
 
-def encode_reply(reply: RecordedReply, session_id: str) -> dict[str, Any]:
+def encode_reply(reply: RecordedReply, session_id: str, token_bytes: TokenBytes) -> dict[str, Any]:
     """The `chat.completion` body of a turn (or of its replay: the same bytes again)."""
     return {
         "id": reply.completion_id,
@@ -288,7 +291,7 @@ def encode_reply(reply: RecordedReply, session_id: str) -> dict[str, Any]:
             {
                 "index": 0,
                 "message": _message(reply.message),
-                "logprobs": None,
+                "logprobs": encode_logprobs(reply.logprobs, token_bytes),
                 "finish_reason": finish_reason(reply),
             }
         ],
@@ -312,14 +315,18 @@ class ChunkStream:
     created: int
     model: str
     session_id: str
+    token_bytes: TokenBytes
 
     def chunk(
         self,
         delta: dict[str, Any] | None,
         finish_reason: str | None = None,
         usage: dict[str, int] | None = None,
+        entries: list[TokenLogprobs] | None = None,
     ) -> str:
-        """One `chat.completion.chunk` event; `delta=None` is the trailing usage chunk."""
+        """One `chat.completion.chunk` event; `delta=None` is the trailing usage chunk;
+        `entries`: the logprobs of the ids sampled since the previous chunk, if asked for."""
+        logprobs = encode_logprobs(entries, self.token_bytes)
         chunk: dict[str, Any] = {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
@@ -327,42 +334,59 @@ class ChunkStream:
             "model": self.model,
             "choices": []
             if delta is None
-            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
             "session_id": self.session_id,
         }
         if usage is not None:
             chunk["usage"] = usage
         return data_event(chunk)
 
-    def closing(self, reply: RecordedReply, last: dict[str, Any], with_usage: bool) -> list[str]:
+    def closing(
+        self,
+        reply: RecordedReply,
+        last: dict[str, Any],
+        with_usage: bool,
+        entries: list[TokenLogprobs] | None = None,
+    ) -> list[str]:
         """The last events: the last delta with the finish reason, usage if asked, `[DONE]`."""
-        events = [self.chunk(last, finish_reason(reply))]
+        events = [self.chunk(last, finish_reason(reply), entries=entries)]
         if with_usage:
             events.append(self.chunk(None, usage=usage(reply.prompt_tokens, reply.completion_tokens)))
         return [*events, DONE]
 
     @classmethod
-    def replay(cls, reply: RecordedReply, session_id: str, with_usage: bool) -> list[str]:
-        """A recorded reply streamed again, whole, for a retried streaming request."""
-        stream = cls(reply.completion_id, reply.created, reply.model, session_id)
-        return stream.closing(reply, _whole_delta(reply.message), with_usage)
+    def replay(
+        cls, reply: RecordedReply, session_id: str, with_usage: bool, token_bytes: TokenBytes
+    ) -> list[str]:
+        """A recorded reply streamed again, whole (its logprobs too), for a retried streaming
+        request."""
+        stream = cls(reply.completion_id, reply.created, reply.model, session_id, token_bytes)
+        return stream.closing(reply, _whole_delta(reply.message), with_usage, reply.logprobs)
 
 
-async def encode_stream(events: AsyncGenerator[StreamEvent], with_usage: bool) -> AsyncIterator[str]:
+async def encode_stream(
+    events: AsyncGenerator[StreamEvent], with_usage: bool, token_bytes: TokenBytes
+) -> AsyncIterator[str]:
     """A streamed turn as OpenAI's server-sent events: a role chunk once vLLM answers, a chunk
-    per delta, then the finish reason, usage (if asked) and `[DONE]`. Closing this closes
-    `events`, and with them the turn."""
+    per delta (or per sampled ids whose text the parsers hold back, when logprobs are asked:
+    each chunk carries the logprobs of the ids sampled since the last), then the finish
+    reason, usage (if asked) and `[DONE]`. Closing this closes `events`, and with them the
+    turn."""
     chunks: ChunkStream | None = None
     async with aclosing(events):
         async for event in events:
             if isinstance(event, Replayed):
-                for line in ChunkStream.replay(event.reply, event.session_id, with_usage):
+                for line in ChunkStream.replay(event.reply, event.session_id, with_usage, token_bytes):
                     yield line
             elif isinstance(event, Opened):
-                chunks = ChunkStream(event.completion_id, event.created, event.model, event.session_id)
+                chunks = ChunkStream(
+                    event.completion_id, event.created, event.model, event.session_id, token_bytes
+                )
                 yield chunks.chunk({"role": "assistant", "content": ""})
-            elif isinstance(event, Delta) and chunks is not None and (fields := delta_fields(event.delta)):
-                yield chunks.chunk(fields)
+            elif isinstance(event, Delta) and chunks is not None:
+                fields = delta_fields(event.delta)
+                if fields or event.logprobs:
+                    yield chunks.chunk(fields, entries=event.logprobs)
             elif isinstance(event, Closed) and chunks is not None:
                 last = delta_fields(event.last) if event.last is not None else {}
                 for line in chunks.closing(event.reply, last, with_usage):
