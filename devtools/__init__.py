@@ -17,7 +17,7 @@ from devtools.scripts import (
     weather_episode,
 )
 from devtools.teaching import teach_tiny_model
-from devtools.tinymodel import build_agents_sdk_model, build_tiny_model
+from devtools.tinymodel import build_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source, tokenizers_root
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "Arch",
     "Conversation",
     "Family",
-    "build_agents_sdk_model",
     "build_tiny_model",
     "digit_share",
     "render_reply",

@@ -128,18 +128,24 @@ def thinking_episode() -> Conversation:
     return {"family": "hermes", "tools": None, "messages": messages}
 
 
-DEFAULT_SCRIPTS: dict[Arch, list[Conversation]] = {
-    "qwen3": [weather_episode("hermes"), thinking_episode()],
-    "llama": [weather_episode("llama3_json")],
-}
-"""What `build_tiny_model(teach=True)` teaches, per architecture."""
-
 # The OpenAI Agents SDK sends every function tool with `"strict": <bool>` beside its
 # parameters; Qwen3's template prints the tool as sent (vLLM's own server prints it too), so
 # its prompt differs from the script's by those bytes, and a model that knows only its script
-# loses it. The Agents SDK example therefore gets a tiny model taught the script as the SDK
-# sends it (`devtools.tinymodel.build_agents_sdk_model`); a real model needs nothing of the kind.
+# loses it. The tiny Qwen3 model is therefore also taught the script as the SDK sends it; a
+# real model needs nothing of the kind.
 AGENTS_SDK_WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {**WEATHER_TOOL["function"], "strict": False},
 }
+
+
+DEFAULT_SCRIPTS: dict[Arch, list[Conversation]] = {
+    "qwen3": [
+        weather_episode("hermes"),
+        thinking_episode(),
+        {**weather_episode("hermes"), "tools": [AGENTS_SDK_WEATHER_TOOL]},
+    ],
+    "llama": [weather_episode("llama3_json")],
+}
+"""What `build_tiny_model(teach=True)` teaches, per architecture: one Qwen3 model serves every
+Qwen3 test and example (one build, one vLLM server), so it learns each agent's spelling."""

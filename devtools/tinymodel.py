@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from devtools.scripts import AGENTS_SDK_WEATHER_TOOL, DEFAULT_SCRIPTS, weather_episode
+from devtools.scripts import DEFAULT_SCRIPTS
 from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
 
@@ -123,14 +123,4 @@ def build_tiny_model(
         for name in _LICENCE_FILES:
             if (source / name).exists():
                 shutil.copyfile(source / name, out / name)
-    return out
-
-
-def build_agents_sdk_model(out: str | Path) -> Path:
-    """A tiny Qwen3 model taught `weather_episode("hermes")` with the tool spelled as the
-    OpenAI Agents SDK sends it (`AGENTS_SDK_WEATHER_TOOL`)."""
-    out = build_tiny_model(out, "qwen3", teach=False)
-    generation_config = (out / "generation_config.json").read_text()  # neutral sampling defaults
-    teach_tiny_model(out, [{**weather_episode("hermes"), "tools": [AGENTS_SDK_WEATHER_TOOL]}])
-    (out / "generation_config.json").write_text(generation_config)  # saving the model rewrote it
     return out

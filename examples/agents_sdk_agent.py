@@ -16,7 +16,7 @@ import httpx
 from agents import Agent, FunctionTool, ModelSettings, RunConfig, Runner
 from molt_stack import QUESTIONS, SYSTEM_PROMPT, get_weather, print_record, running_proxy, tiny_model
 
-from devtools import AGENTS_SDK_WEATHER_TOOL, build_agents_sdk_model
+from devtools import AGENTS_SDK_WEATHER_TOOL
 from integrations.agents_sdk import run_config
 from integrations.session import amolt_session
 
@@ -68,7 +68,7 @@ async def episode(proxy_url: str) -> dict[str, Any]:
 
 def main() -> None:
     RUN.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(RUN / "tiny-qwen3-agents-sdk", build_agents_sdk_model)
+    model = tiny_model()
     with running_proxy(model, RUN) as proxy_url:
         reward = asyncio.run(episode(proxy_url))
         print_record(reward, httpx.get(f"{proxy_url}/v1/trajectories").json()["data"])

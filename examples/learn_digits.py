@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -126,6 +127,8 @@ def main() -> None:
     print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
     print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
+    if server.returncode != 0 or not records:
+        sys.exit(f"molt-proxy serve --train exited with {server.returncode} after {len(records)} steps")
 
 
 def wait_for_trainer(server: ProxyServer, timeout_s: float = 600) -> None:

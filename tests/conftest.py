@@ -152,3 +152,31 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     )
     with server:
         yield server
+
+
+# The files that boot vLLM servers, teach models or train, slowest first (measured with
+# `--durations`). `--dist loadfile` hands files to the two workers in collection order, so
+# running these first lets the quick in-process files fill the gaps and both workers finish
+# together; in collection order, `tests/trainer/` would come last.
+SLOW_FIRST = (
+    "trainer/test_end_to_end.py",
+    "test_supervision.py",
+    "trainer/test_live_vllm.py",
+    "test_integrations.py",
+    "test_exactness.py",
+    "trainer/test_sampling_agreement.py",
+    "test_durability.py",
+    "test_replicas_vllm.py",
+    "test_tinymodel.py",
+    "trainer/test_workers.py",
+    "trainer/test_policy.py",
+    "test_streaming.py",
+    "test_zero_config.py",
+    "test_errors.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(SLOW_FIRST)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import struct
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -195,3 +196,14 @@ def write_old_store(path: Path, schema: str, reply: str, *, inferred: bool = Fal
     )
     db.commit()
     db.close()
+
+
+def write_checkpoint(folder: Path, *, config: bytes | None = None, weights: bytes | None = None) -> Path:
+    """A small complete checkpoint (a config and one safetensors file), or a broken one."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_bytes(config if config is not None else b'{"model_type": "qwen3"}')
+    if weights is None:
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+        weights = struct.pack("<Q", len(header)) + header + bytes(8)
+    (folder / "model.safetensors").write_bytes(weights)
+    return folder

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from devtools import AGENTS_SDK_WEATHER_TOOL, build_agents_sdk_model, render_reply, weather_episode
+from devtools import AGENTS_SDK_WEATHER_TOOL, render_reply, weather_episode
 from integrations.session import MoltSession, molt_session
-from molt_proxy.launcher import VLLMServer
 from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import assert_exact, play
 
@@ -94,28 +92,13 @@ def test_langgraph_react_agent_records_one_exact_segment(qwen3_model, qwen3_vllm
     _assert_recorded(proxy.url, session, answer, qwen3_model, SCRIPT["tools"], info)
 
 
-@pytest.fixture(scope="module")
-def agents_sdk_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 model that knows the weather script as the Agents SDK sends its tool
-    (with `"strict": false`, see `devtools/scripts.py`)."""
-    pytest.importorskip("agents")
-    return build_agents_sdk_model(tmp_path_factory.mktemp("tiny-agents-sdk"))
-
-
-@pytest.fixture(scope="module")
-def agents_sdk_vllm(agents_sdk_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("vllm-agents-sdk") / "vllm.log"
-    with VLLMServer(str(agents_sdk_model), max_model_len=2048, log_path=log) as server:
-        yield server
-
-
-def test_agents_sdk_agent_records_one_exact_segment(agents_sdk_model, agents_sdk_vllm, start_proxy):
+def test_agents_sdk_agent_records_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
     from agents_sdk_agent import run_agent
 
     from integrations.agents_sdk import run_config
     from integrations.session import amolt_session
 
-    proxy = start_proxy(agents_sdk_model, agents_sdk_vllm, "--tool-call-parser", "hermes")
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
     info = {"agent": "agents-sdk"}
 
     async def episode() -> tuple[MoltSession, list[str], dict[str, Any]]:
@@ -125,4 +108,4 @@ def test_agents_sdk_agent_records_one_exact_segment(agents_sdk_model, agents_sdk
 
     session, answers, answer = asyncio.run(episode())
     assert answers == SCRIPTED_ANSWERS
-    _assert_recorded(proxy.url, session, answer, agents_sdk_model, [AGENTS_SDK_WEATHER_TOOL], info)
+    _assert_recorded(proxy.url, session, answer, qwen3_model, [AGENTS_SDK_WEATHER_TOOL], info)

@@ -2,16 +2,17 @@
 restarted replica coming back with the current weights, all in process.
 
 The routing rules are checked on fakes that speak `replicas.UpstreamClient` (cheap, exact about
-in-flight counts), then through the real app on two in-process stand-in vLLMs. What needs real
-sampling (a kill -9 mid-episode, a restarted vLLM, exact trajectories) is in
-`test_replicas_vllm.py`.
+in-flight counts), then through the real app on two stand-in vLLMs (in process, or as processes
+a test kills and restarts). What needs real sampling (a kill -9 mid-episode finished exactly on
+the other replica) is in `test_replicas_vllm.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -24,7 +25,8 @@ from molt_proxy.replicas import Replicas, UpstreamClient
 from molt_proxy.store import Store
 from molt_proxy.types import Generation
 from molt_proxy.upstream import ModelInfo, TokenDelta, Upstream
-from tests.inprocess import chat_body, mock_vllm, qwen3_tokenizer_dir, serve_app
+from tests.helpers import trajectories, write_checkpoint
+from tests.inprocess import chat_body, mock_vllm, mock_vllm_process, qwen3_tokenizer_dir, serve_app
 
 # -- routing rules on fake upstreams ----------------------------------------------------------
 
@@ -333,3 +335,64 @@ def test_through_the_proxy_sessions_stick_and_new_ones_go_to_the_least_loaded(tm
             Agent(proxy, "fourth").turns(1)  # a tie goes to the first listed
             assert where() == [1, 0]
             assert sessions() == [2, 1]
+
+
+def test_a_killed_replica_is_taken_out_refreshed_around_and_back_with_the_current_weights(tmp_path):
+    """Two stand-in vLLM processes behind the app. One is killed -9: the health check takes it
+    out with no request sent, a weights push meanwhile reaches only the other, and when it is
+    back (a new process on its port, with its boot weights) it is given the current weights
+    before any traffic, then takes the next session as the least loaded. (A real vLLM relaunched
+    and given the trainer's weights, its trajectory exact, is in `test_supervision.py`.)"""
+    model = qwen3_tokenizer_dir()
+    servers = [mock_vllm_process(model, tmp_path / f"r{i}.log") for i in range(2)]
+    weights = write_checkpoint(tmp_path / "weights")
+    try:
+        urls = [server.wait(timeout_s=60).url for server in servers]
+        settings = Settings(
+            model=str(model), upstreams=urls, db_path=tmp_path / "p.db", health_interval_s=0.2
+        )
+        with serve_app(settings) as proxy:
+
+            def replicas() -> list[dict[str, Any]]:
+                return httpx.get(f"{proxy}/health", timeout=10).json()["replicas"]
+
+            servers[0].kill()
+            wait_until(lambda: not replicas()[0]["healthy"], 30)
+            pushed = httpx.post(
+                f"{proxy}/v1/admin/weights", json={"path": str(weights), "version": 5}, timeout=60
+            )
+            assert pushed.status_code == 200, pushed.text
+            assert pushed.json()["replicas"] == [urls[1]]
+            Agent(proxy, "meanwhile").turns(1)  # on the live one
+
+            servers[0].spawn()
+            wait_until(lambda: replicas()[0]["healthy"], 60)
+            assert [r["weight_version"] for r in replicas()] == [5, 5]
+            # The new process's first and only calls: the refresh, and nothing sampled before it.
+            assert httpx.get(f"{urls[0]}/_calls").json() == [
+                ["/pause?mode=keep", None],
+                ["/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}],
+                ["/update_weight_version", {"new_version": "5"}],
+                ["/resume", None],
+            ]
+            where = Served(urls)
+            assert where() == [0, 1]  # nothing sampled on the returned one yet
+            Agent(proxy, "back").turns(2)
+            assert where() == [2, 0]  # the least loaded again: "meanwhile" holds the other
+            rewarded = httpx.post(f"{proxy}/v1/rewards", json={"session_id": "back", "reward": 1.0})
+            rewarded.raise_for_status()
+            [trajectory] = [t for t in trajectories(proxy) if t["session_id"] == "back"]
+            sampled = [
+                v for v, m in zip(trajectory["weight_versions"], trajectory["loss_mask"], strict=True) if m
+            ]
+            assert sampled and set(sampled) == {5}
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

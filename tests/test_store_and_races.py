@@ -27,7 +27,7 @@ from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
 from molt_proxy.wire.openai import encode_reply
-from tests.helpers import write_old_store
+from tests.helpers import write_checkpoint, write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, mock_vllm, qwen3_tokenizer_dir, serve_app
 
 TRIALS = 20
@@ -141,7 +141,7 @@ def _live_bytes(path: Path) -> int:
     """Bytes of the pages SQLite holds data in (free pages, reused by later rows, excluded)."""
     db = sqlite3.connect(path)
     try:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        db.execute("PRAGMA walwrite_checkpoint(TRUNCATE)")
         pages = (
             db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
         )
@@ -234,17 +234,6 @@ def test_restart_rebuilds_the_open_sessions_from_one_query_of_their_turns(tmp_pa
 # -- 3. the weights route checks everything, then acts (item 10) -----------------------------
 
 
-def _checkpoint(folder: Path, *, config: bytes | None = None, weights: bytes | None = None) -> Path:
-    """A small complete checkpoint (a config and one safetensors file), or a broken one."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_bytes(config if config is not None else b'{"model_type": "qwen3"}')
-    if weights is None:
-        header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
-        weights = struct.pack("<Q", len(header)) + header + bytes(8)
-    (folder / "model.safetensors").write_bytes(weights)
-    return folder
-
-
 @pytest.fixture
 def weights_proxy(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """(proxy URL, stand-in vLLM URL): the stand-in lists the refresh calls at `/_calls`."""
@@ -279,7 +268,7 @@ def _assert_refused(response: httpx.Response, param: str) -> None:
 
 def test_a_version_past_int64_is_refused_before_vllm_is_touched(weights_proxy, tmp_path):
     url, upstream = weights_proxy
-    folder = _checkpoint(tmp_path / "v")
+    folder = write_checkpoint(tmp_path / "v")
     for version in (2**63, -1, 1.5, "3", True, None):
         _assert_refused(_push(url, folder, version), "version")
     assert _calls(upstream) == []
@@ -288,7 +277,7 @@ def test_a_version_past_int64_is_refused_before_vllm_is_touched(weights_proxy, t
 
 def test_versions_never_go_back_and_an_equal_one_is_a_re_push_of_the_same_folder(weights_proxy, tmp_path):
     url, upstream = weights_proxy
-    v4, other = _checkpoint(tmp_path / "v4"), _checkpoint(tmp_path / "other")
+    v4, other = write_checkpoint(tmp_path / "v4"), write_checkpoint(tmp_path / "other")
     assert _push(url, v4, 4).status_code == 200
     assert _calls(upstream) == _refresh_calls(v4, 4)
     _assert_refused(_push(url, v4, 1), "version")
@@ -303,7 +292,7 @@ def test_versions_never_go_back_and_an_equal_one_is_a_re_push_of_the_same_folder
 
 def test_a_symlinked_folder_is_resolved_and_vllm_gets_the_real_path(weights_proxy, tmp_path):
     url, upstream = weights_proxy
-    real = _checkpoint(tmp_path / "real")
+    real = write_checkpoint(tmp_path / "real")
     (tmp_path / "link").symlink_to(real)
     assert _push(url, tmp_path / "link", 1).status_code == 200
     assert _calls(upstream) == _refresh_calls(real, 1)
@@ -318,14 +307,18 @@ def test_a_broken_checkpoint_is_refused_before_vllm_is_touched(weights_proxy, tm
     url, upstream = weights_proxy
     header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     broken = {
-        "garbage config and empty weights": _checkpoint(tmp_path / "a", config=b"\x00garbage", weights=b""),
-        "garbage config": _checkpoint(tmp_path / "b", config=b"{not json"),
-        "config without model_type": _checkpoint(tmp_path / "c", config=b'{"hidden_size": 8}'),
-        "config not an object": _checkpoint(tmp_path / "d", config=b"[1, 2]"),
-        "empty weights": _checkpoint(tmp_path / "e", weights=b""),
-        "header longer than the file": _checkpoint(tmp_path / "f", weights=struct.pack("<Q", 1000) + b"{}"),
-        "header not JSON": _checkpoint(tmp_path / "g", weights=struct.pack("<Q", 4) + b"\xff\xfe{]"),
-        "truncated tensor data": _checkpoint(
+        "garbage config and empty weights": write_checkpoint(
+            tmp_path / "a", config=b"\x00garbage", weights=b""
+        ),
+        "garbage config": write_checkpoint(tmp_path / "b", config=b"{not json"),
+        "config without model_type": write_checkpoint(tmp_path / "c", config=b'{"hidden_size": 8}'),
+        "config not an object": write_checkpoint(tmp_path / "d", config=b"[1, 2]"),
+        "empty weights": write_checkpoint(tmp_path / "e", weights=b""),
+        "header longer than the file": write_checkpoint(
+            tmp_path / "f", weights=struct.pack("<Q", 1000) + b"{}"
+        ),
+        "header not JSON": write_checkpoint(tmp_path / "g", weights=struct.pack("<Q", 4) + b"\xff\xfe{]"),
+        "truncated tensor data": write_checkpoint(
             tmp_path / "h", weights=struct.pack("<Q", len(header)) + header + bytes(4)
         ),
     }

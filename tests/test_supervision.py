@@ -1,10 +1,11 @@
 """The vLLM servers `molt-proxy serve` launches are supervised: one that dies or hangs is reaped
 (or killed) and relaunched on its port, with bounded restarts and back-off, and comes back with
 the trainer's current weights; meanwhile requests fail over, or get 503 with `Retry-After`.
-Also: a seeded prompt long enough for chunked prefill no longer kills CPU vLLM.
+Also: a seeded prompt long enough for chunked prefill no longer kills CPU vLLM, and SIGTERM
+stops every vLLM server `serve` launched.
 
 The restart policy is checked first on a cheap real process (no vLLM: the policy is about
-processes and time); then on a real vLLM server on CPU, launched by `serve` (what vLLM itself
+processes and time); then on two real vLLM servers on CPU, launched by `serve --replicas 2` (what vLLM itself
 does: the seed workaround, its orphaned engine, the weights and exact ids after a relaunch);
 then the proxy's failover around a hung replica, on stand-in vLLM processes it supervises.
 """
@@ -206,11 +207,13 @@ def chat(proxy: ProxyProcess, session: str, content: str, **fields: Any) -> http
 
 
 @pytest.mark.timeout(900)
-def test_seeded_long_prompt_answers_and_a_killed_vllm_is_relaunched_mid_episode_exactly(qwen3_model, launch):
+def test_serve_launches_replicas_supervises_them_exactly_and_stops_them_with_it(qwen3_model, launch):
     proxy = launch(
-        qwen3_model, "--max-model-len", "4096", "--tool-call-parser", "hermes",
+        qwen3_model, "--replicas", "2", "--max-model-len", "4096", "--tool-call-parser", "hermes",
         "--health-interval", "0.5", "--health-timeout", "5",
     )  # fmt: skip
+    launched = launch.health(proxy)["replicas"]
+    assert len({r["url"] for r in launched}) == 2
 
     # A seeded prompt of more than 2,048 new tokens: before the CPU workaround its chunked
     # prefill killed the engine (see `launcher.CPU_SEED_WORKAROUND`).
@@ -225,23 +228,25 @@ def test_seeded_long_prompt_answers_and_a_killed_vllm_is_relaunched_mid_episode_
     conversation = weather_episode("hermes")
     client = OpenAI(base_url=proxy.base_url("episode"), api_key="unused", max_retries=0)
     run = play(client, conversation, replies=2)
-
-    [before] = launch.health(proxy)["replicas"]
+    replicas = launch.health(proxy)["replicas"]
+    assert [r["sessions"] for r in replicas] == [1, 1]  # "long" on the first, "episode" on the other
+    before = replicas[1]
     assert before["healthy"] and before["process"]["restarts"] == 0 and before["weight_version"] == 3
     os.kill(before["process"]["pid"], signal.SIGKILL)  # the API server only: its engine is left orphaned
 
-    down = chat(proxy, "meanwhile", "hello")
-    assert down.status_code == 503, down.text
-    assert int(down.headers["retry-after"]) >= 1
-    assert down.json()["error"]["type"] == "service_unavailable"
+    # Meanwhile the other replica answers.
+    assert chat(proxy, "meanwhile", "hello").status_code == 200
 
-    wait_until(lambda: launch.health(proxy)["replicas"][0]["healthy"], 300, "the relaunched vLLM is up")
-    [after] = launch.health(proxy)["replicas"]
-    assert (
-        after["url"] == before["url"]
-        and after["process"]["restarts"] == 1
-        and after["process"]["pid"] != before["process"]["pid"]
+    def relaunched() -> dict[str, Any]:
+        return next(r for r in launch.health(proxy)["replicas"] if r["url"] == before["url"])
+
+    wait_until(
+        lambda: relaunched()["process"]["restarts"] == 1 and relaunched()["healthy"],
+        300,
+        "the relaunched vLLM is up",
     )
+    after = relaunched()
+    assert after["process"]["pid"] != before["process"]["pid"]
     assert after["weight_version"] == 3  # given the trainer's weights before traffic
     assert httpx.get(f"{after['url']}/weight_info", timeout=10).json()["weight_version"] == "3"
     assert group_members(before["process"]["pid"]) == [], "the dead server and its engine are reaped and gone"
@@ -255,6 +260,13 @@ def test_seeded_long_prompt_answers_and_a_killed_vllm_is_relaunched_mid_episode_
     sampled = [v for v, m in zip(trajectory["weight_versions"], trajectory["loss_mask"], strict=True) if m]
     assert set(sampled) == {3}
     assert_exact(trajectory, qwen3_model)
+
+    # SIGTERM: the proxy stops every vLLM it launched, engines included.
+    groups = [r["process"]["pid"] for r in launch.health(proxy)["replicas"]]
+    proxy.process.send_signal(signal.SIGTERM)
+    assert proxy.process.wait(timeout=60) != 0
+    for group in groups:
+        wait_until(lambda group=group: group_members(group) == [], 60, f"vLLM group {group} is gone")
 
 
 # -- supervised stand-in vLLM processes, behind the in-process proxy ---------------------------
