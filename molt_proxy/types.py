@@ -80,6 +80,12 @@ class Turn:
     sampling: Sampling | None = None
     """What vLLM sampled this turn with; None in records from before it was recorded (the
     trainer then cannot reproduce the turn's distribution and leaves its tokens out)."""
+    constrained: bool = False
+    """vLLM sampled this turn under structured outputs (`tool_choice` required or named,
+    `parallel_tool_calls: false`, `response_format` JSON, `structured_outputs`): each sampled
+    token was drawn from the grammar-masked distribution, renormalised over the tokens the
+    grammar allowed, and its recorded logprob is that distribution's, not the policy's (see
+    the README). False in records from before it was recorded."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Turn:
@@ -184,6 +190,8 @@ class Generation:
     finish_reason: str
     prompt_token_ids: list[int] | None = None
     """The prompt ids vLLM reports it received, when it reports them."""
+    constrained: bool = False
+    """Sampled under structured outputs (a grammar mask): the turn records it."""
 
 
 @dataclass(slots=True)
