@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy import store
+from molt_proxy.cli import launched_vllm_args
 from molt_proxy.store import Store
 from tests.helpers import forward_logprobs, reply_as_message, trajectories, write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, post
@@ -168,6 +169,13 @@ def test_a_store_from_before_constraints_were_recorded_reads_unconstrained(tmp_p
     assert session.id == "s" and turns[0].generation.constrained is False
     with sqlite3.connect(db_path) as db:
         assert [row[1] for row in db.execute("PRAGMA table_info(turns)")][-1] == "constrained"
+
+
+def test_a_launched_vllm_gets_the_reasoning_parser_so_grammars_wait_for_the_reasoning():
+    assert launched_vllm_args(["--seed", "1"], "qwen3") == ["--seed", "1", "--reasoning-parser", "qwen3"]
+    own = ["--reasoning-parser=deepseek_r1"]  # the user's own choice stands
+    assert launched_vllm_args(own, "qwen3") == own
+    assert launched_vllm_args([], None) == []
 
 
 # -- real sampling: the session's vLLM on the taught tiny Qwen3 ---------------------------------

@@ -27,6 +27,12 @@ unreproducible, and so is a turn recorded without its sampling (older stores). T
 are left out of the loss and counted (`unreproducible_tokens`), never trained as if on-policy.
 The seed picks the sample, not the distribution: it changes nothing here.
 
+Constrained turns (`Turn.constrained`: structured outputs, e.g. a forced tool call) were sampled
+with a grammar mask applied before step 3, and vLLM records log mu under the masked distribution
+renormalised over the allowed tokens (measured: bench/RESULTS.md, block 10). Without the grammar
+that is not reproducible either; `--constrained-turns skip` (the default) leaves their tokens out
+and counts them (`constrained_tokens`), `train` keeps them against the unmasked pi.
+
 Greedy tokens (T = 0) are not samples of any policy: the trainer leaves them out by default
 and counts them (`greedy_tokens`); `--train-greedy` trains them with their T = 1 logprob,
 which is what vLLM records for them.

@@ -168,7 +168,11 @@ def test_greedy_tokens_leave_the_loss_unless_train_greedy() -> None:
     greedy.turns[0].sampling = Sampling(temperature=0.0)
     batch = collate([greedy, sampled], [1.0, 1.0])
     assert batch.loss_mask.tolist() == [[0, 0, 0, 0, 0], [0, 0, 1, 1, 1]]
-    assert batch.sampling.counts() == {"greedy_tokens": 2.0, "unreproducible_tokens": 0.0, "constrained_tokens": 0.0}
+    assert batch.sampling.counts() == {
+        "greedy_tokens": 2.0,
+        "unreproducible_tokens": 0.0,
+        "constrained_tokens": 0.0,
+    }
     trained = collate([greedy, sampled], [1.0, 1.0], train_greedy=True)
     assert trained.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
