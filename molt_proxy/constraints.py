@@ -17,7 +17,6 @@ and such a request is refused rather than sampled in a form the next render rewr
 
 from __future__ import annotations
 
-import copy
 from dataclasses import fields
 from typing import Any
 
@@ -27,8 +26,12 @@ from vllm.parser.abstract_parser import Parser
 
 from molt_proxy.errors import BadRequest
 
+_FORCED = ("tool_choice", "tool_choice 'required' or a named function")
+_SINGLE = ("parallel_tool_calls", "parallel_tool_calls=false")
+"""(param, what the request asked) of the two tool constraints that need a tool parser."""
 
-def forces_tool_call(request: ChatCompletionRequest) -> bool:
+
+def _forces_tool_call(request: ChatCompletionRequest) -> bool:
     """`tool_choice` `required` or a named function (vLLM's validator has checked the name)."""
     choice = request.tool_choice
     return bool(request.tools) and (choice == "required" or not isinstance(choice, str | None))
@@ -41,7 +44,7 @@ def structured_outputs(
     asks for no constraint. `parser_cls` is vLLM's combined parser (with the tool parser
     named `tool_parser`, if any); `hf` is the tokenizer it takes. A constraint the proxy
     cannot enforce as asked is a `BadRequest`."""
-    forced = forces_tool_call(request)
+    forced = _forces_tool_call(request)
     requested = request.extract_structured_outputs()
     if forced and requested is not None:
         param = "response_format" if request.response_format is not None else "structured_outputs"
@@ -52,24 +55,19 @@ def structured_outputs(
         )
     single = request.parallel_tool_calls is False and bool(request.tools) and request.tool_choice != "none"
     if (forced or single) and tool_parser is None:
-        param = "tool_choice" if forced else "parallel_tool_calls"
+        param, what = _FORCED if forced else _SINGLE
         raise BadRequest(
-            f"{param} {request.tool_choice if forced else False!r} needs the proxy to run with "
-            "--tool-call-parser, which says what a tool call looks like",
+            f"{what} needs the proxy to run with --tool-call-parser, which says what a tool call looks like",
             param=param,
         )
     params = _adjusted(request, parser_cls, hf).extract_structured_outputs() if parser_cls else requested
-    if forced and (params is None or params.structural_tag is None):
+    # forced calls must be in the template's markup; one call at most needs any constraint
+    if (forced and (params is None or params.structural_tag is None)) or (single and params is None):
+        param, what = _FORCED if forced else _SINGLE
         raise BadRequest(
-            f"tool_choice 'required' or a named function needs a tool parser whose call markup "
-            f"vLLM can constrain (a structural tag); {tool_parser!r} has none",
-            param="tool_choice",
-        )
-    if single and params is None:
-        raise BadRequest(
-            f"parallel_tool_calls=false needs a tool parser whose call markup vLLM can "
-            f"constrain (a structural tag); {tool_parser!r} has none",
-            param="parallel_tool_calls",
+            f"{what} needs a tool parser whose call markup vLLM can constrain (a structural tag); "
+            f"{tool_parser!r} has none",
+            param=param,
         )
     if params is None:
         return None
@@ -82,10 +80,12 @@ def structured_outputs(
 
 def _adjusted(request: ChatCompletionRequest, parser_cls: type[Parser], hf: Any) -> ChatCompletionRequest:
     """What vLLM's chat route does to a request before sampling (`Parser.adjust_request`:
-    structural tags for tool calls), on a copy: the reply parsers read the request as sent."""
+    structural tags for tool calls), on a copy: the reply parsers read the request as sent.
+    A shallow copy is enough (and a long history is not copied): `adjust_request` sets fields,
+    it does not change the values they held."""
     parser = parser_cls(hf, request.tools, chat_template_kwargs=request.chat_template_kwargs or {})
     try:
-        return parser.adjust_request(copy.deepcopy(request))
+        return parser.adjust_request(request.model_copy())
     except VLLMValidationError as exc:
         message = str(exc.args[0]) if exc.args else "invalid tool constraint"
         raise BadRequest(message[:300], param=exc.parameter or "tool_choice") from None
