@@ -95,6 +95,20 @@ def test_parallel_tool_calls_false_allows_text_and_at_most_one_call(proxy):
     )
 
 
+def test_a_strict_tool_constrains_its_calls_under_auto_as_in_vllm(proxy):
+    """Text stays free until `<tool_call>`; a call then follows the strict schema. The turn is
+    constrained (vLLM's chat route does the same)."""
+    constraint, constrained = sent_constraint(proxy, "strict-auto", tools=STRICT)
+    tags = tag_format(constraint)
+    assert constrained is True
+    assert (tags["type"], tags["triggers"], tags["stop_after_first"]) == (
+        "triggered_tags",
+        ["<tool_call>"],
+        False,
+    )
+    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [PARAMETERS, PARAMETERS]
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
