@@ -34,6 +34,7 @@ BENCHMARKS = {
     "e2e": "bench.end_to_end",
     "storage": "bench.storage",
     "stall": "bench.stall",
+    "constrained": "bench.constrained",
 }
 RESULTS = HOME / "bench" / "RESULTS.md"
 HEADER = """# molt-proxy benchmarks

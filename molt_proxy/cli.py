@@ -71,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
                         args.model,
                         port=port,
                         max_model_len=args.max_model_len,
-                        extra_args=args.vllm_arg or [],
+                        extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
                         log_path=log,
                     ).spawn()
                 )
@@ -137,6 +137,16 @@ def _sampling_pins(spec: str) -> dict[str, float | int]:
         return parse_pins(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def launched_vllm_args(extra: list[str], reasoning_parser: str | None) -> list[str]:
+    """`--vllm-arg`s, and the proxy's `--reasoning-parser` for the vLLM it launches: with it,
+    vLLM applies a structured-outputs grammar only once the model's reasoning has ended, as
+    its chat route does; without it the grammar starts at the first token, and a thinking
+    model's constrained reply is read as reasoning."""
+    if reasoning_parser is None or any(arg.startswith("--reasoning-parser") for arg in extra):
+        return extra
+    return [*extra, "--reasoning-parser", reasoning_parser]
 
 
 def parser() -> argparse.ArgumentParser:

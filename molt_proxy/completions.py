@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -55,6 +55,8 @@ class Prepared:
     """The sampling fields sent to vLLM (pinned and normalised)."""
     applied: Sampling
     """Their record, kept on the turn for the trainer."""
+    constrained: bool
+    """vLLM samples under structured outputs (`constraints.py`): `fields` carry them."""
 
 
 class Completions:
@@ -163,7 +165,10 @@ class Completions:
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
         requested = {**conversation.sampling, "max_tokens": max_tokens}
         fields, applied = effective_sampling(requested, self.sampling_pins)
-        return Prepared(plan, self.served_model_name or model.id, fields, applied)
+        constraint = self.parser.structured_outputs(conversation.parser_request)
+        if constraint is not None:
+            fields["structured_outputs"] = constraint
+        return Prepared(plan, self.served_model_name or model.id, fields, applied, constraint is not None)
 
     async def _finish(
         self,
@@ -187,6 +192,7 @@ class Completions:
             completion_tokens=len(generation.token_ids),
             logprobs=logprobs,
         )
+        generation = replace(generation, constrained=prepared.constrained)
         await turn.record(prepared.plan, generation, reply, prepared.applied)
         return reply
 

@@ -23,6 +23,7 @@ from vllm.parser.abstract_parser import Parser
 from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
 
+from molt_proxy.constraints import structured_outputs
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import ParsedReply
 
@@ -51,6 +52,7 @@ class ReplyParser:
 
     def __init__(self, tokenizer: Tokenizer, tool_parser: str | None, reasoning_parser: str | None):
         self.tokenizer = tokenizer
+        self._tool_parser_name = tool_parser
         self._tool_cls: type[ToolParser] | None = (
             ToolParserManager.get_tool_parser(tool_parser) if tool_parser else None
         )
@@ -89,6 +91,12 @@ class ReplyParser:
                 reply.tool_calls = _exact_tool_calls(reply.content, extracted.tool_calls)
                 reply.content = extracted.content
         return reply
+
+    def structured_outputs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
+        """The vLLM structured outputs the request asks for (`constraints.py`), derived by the
+        same combined parser vLLM's chat route would use; None: unconstrained."""
+        cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
+        return structured_outputs(request, cls, self._tool_parser_name, self.tokenizer.hf)
 
     def _tools_enabled(self, request: ChatCompletionRequest) -> bool:
         return self._tool_cls is not None and bool(request.tools) and request.tool_choice != "none"

@@ -125,6 +125,7 @@ def _append(
         finish_reason=generation.finish_reason,
         created=time.time(),
         sampling=sampling,
+        constrained=generation.constrained,
     )
     segment.turns.append(turn)
     return turn

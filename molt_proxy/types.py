@@ -80,6 +80,12 @@ class Turn:
     sampling: Sampling | None = None
     """What vLLM sampled this turn with; None in records from before it was recorded (the
     trainer then cannot reproduce the turn's distribution and leaves its tokens out)."""
+    constrained: bool = False
+    """vLLM sampled this turn under structured outputs (`tool_choice` required or named,
+    `parallel_tool_calls: false`, `response_format` JSON, `structured_outputs`): each sampled
+    token was drawn from the grammar-masked distribution, renormalised over the tokens the
+    grammar allowed, and its recorded logprob is that distribution's, not the policy's (see
+    the README). False in records from before it was recorded."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Turn:
@@ -187,6 +193,8 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """[N][k] (id, logprob) of the k most likely ids at each sampled position, most likely
     first, when the request asked vLLM for them (an agent's `top_logprobs`); else None."""
+    constrained: bool = False
+    """Sampled under structured outputs (a grammar mask): the turn records it."""
 
 
 @dataclass(slots=True)

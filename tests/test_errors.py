@@ -120,12 +120,15 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     [
         ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": TOOLS}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"parallel_tool_calls": False, "tools": TOOLS}, "parallel_tool_calls"),
     ],
 )
-def test_constraints_the_proxy_cannot_enforce_are_refused(proxy, extra, param):
-    assert_error(chat(proxy, {"model": "m", "messages": USER, **extra}), 400, param=param)
+def test_tool_constraints_without_a_tool_parser_are_refused(proxy, extra, param):
+    """Without --tool-call-parser the proxy does not know what a call looks like, so it can
+    neither force one nor limit calls to one (tests/test_constrained.py has the rest)."""
+    response = chat(proxy, {"model": "m", "messages": USER, **extra})
+    assert_error(response, 400, param=param)
+    assert "needs the proxy to run with --tool-call-parser" in response.json()["error"]["message"]
 
 
 def test_request_over_the_size_limit(proxy):

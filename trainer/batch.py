@@ -26,7 +26,8 @@ class Batch:
     """[B,T] long: 1 on real tokens, 0 on padding (always a suffix of the row)."""
     loss_mask: Tensor
     """[B,T] long: 1 where the policy sampled the token and it trains; 0 on prompt tokens,
-    padding, and sampled tokens left out by `TokenSampling.trainable` (greedy, unreproducible)."""
+    padding, and sampled tokens left out by `TokenSampling.trainable` (greedy, unreproducible,
+    constrained)."""
     rollout_logprobs: Tensor
     """[B,T] float32: vLLM's log mu of each sampled token; 0.0 elsewhere."""
     weight_versions: Tensor
@@ -81,9 +82,16 @@ def _masked_row() -> Batch:
     return _collate_rows([[0]], [[0]], [[0.0]], [[NOT_SAMPLED]], [0.0])
 
 
-def collate(trajectories: list[Trajectory], advantages: list[float], *, train_greedy: bool = False) -> Batch:
+def collate(
+    trajectories: list[Trajectory],
+    advantages: list[float],
+    *,
+    train_greedy: bool = False,
+    train_constrained: bool = False,
+) -> Batch:
     """Stack trajectories and their advantages (one per trajectory) into one `Batch`. Greedy
-    tokens train only with `train_greedy`; unreproducible ones never (`trainer/sampling.py`)."""
+    tokens train only with `train_greedy`, those of constrained turns only with
+    `train_constrained`; unreproducible ones never (`trainer/sampling.py`)."""
     if not trajectories:
         raise ValueError("cannot collate an empty list of trajectories")
     for t in trajectories:
@@ -98,6 +106,7 @@ def collate(trajectories: list[Trajectory], advantages: list[float], *, train_gr
         advantages,
         turns=[t.turns for t in trajectories],
         train_greedy=train_greedy,
+        train_constrained=train_constrained,
     )
 
 
@@ -110,6 +119,7 @@ def _collate_rows(
     *,
     turns: list[list[Turn]] | None = None,
     train_greedy: bool = False,
+    train_constrained: bool = False,
 ) -> Batch:
     """Right-pad aligned rows ([B] lists of [T_b]) and their [B] advantages into one `Batch`;
     `turns` say how their tokens were sampled (none: plainly, at T = 1)."""
@@ -132,5 +142,5 @@ def _collate_rows(
         batch.loss_mask[row, :n] = torch.tensor(loss_mask[row])
         batch.rollout_logprobs[row, :n] = torch.tensor(logprobs[row], dtype=torch.float32)
         batch.weight_versions[row, :n] = torch.tensor(weight_versions[row])
-    batch.loss_mask = batch.sampling.trainable(batch.loss_mask, train_greedy)
+    batch.loss_mask = batch.sampling.trainable(batch.loss_mask, train_greedy, train_constrained)
     return batch

@@ -14,6 +14,7 @@ from trainer.advantage import Estimator
 
 IsMode = Literal["truncate", "mask"]
 IsLevel = Literal["token", "sequence"]
+ConstrainedTurns = Literal["train", "skip"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,14 @@ class TrainerConfig:
     train_greedy: bool = False
     """Train on greedy (temperature 0) tokens, at their T = 1 logprob. Off by default: an
     argmax is not a sample of the policy, so they are left out and counted (`greedy_tokens`)."""
+    constrained_turns: ConstrainedTurns = "skip"
+    """The sampled tokens of constrained turns (`Turn.constrained`: tool_choice required or
+    named, JSON response_format, structured outputs). vLLM drew them from the grammar-masked
+    distribution renormalised over the allowed tokens, and records that distribution's
+    logprob (measured: bench/RESULTS.md), which the trainer cannot recompute: it has no
+    grammar. skip (the default) leaves them out of the loss and counts them
+    (`constrained_tokens`); train trains them like any token, against the unmasked pi, so a
+    forced token's importance weight pi/mu is the mass the grammar allowed (at most 1)."""
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -115,6 +124,8 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.constrained_turns not in ("train", "skip"):
+            raise ValueError(f"constrained_turns must be 'train' or 'skip', got {self.constrained_turns!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +165,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train on greedy (temperature 0) tokens too, at their T=1 logprob; default: left out, counted",
     )
+    group.add_argument(
+        "--constrained-turns",
+        choices=["train", "skip"],
+        default=train("constrained_turns"),
+        help="the sampled tokens of constrained turns (tool_choice required/named, JSON response_format): "
+        "vLLM records their grammar-masked, renormalised logprob, which the trainer cannot recompute; "
+        "skip leaves them out of the loss (counted: constrained_tokens), train trains them against the "
+        "unmasked policy (default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> TrainerConfig:
@@ -177,4 +197,5 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         ray_address=args.ray_address,
         seed=args.seed,
         train_greedy=args.train_greedy,
+        constrained_turns=args.constrained_turns,
     )

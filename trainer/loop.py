@@ -126,7 +126,12 @@ class Trainer:
         started = time.monotonic()
         trajectories = [t for g in groups for t in g.trajectories]
         advantages = group_advantages(groups, config.estimator, state.baseline)
-        batch = collate(trajectories, advantages, train_greedy=config.train_greedy)
+        batch = collate(
+            trajectories,
+            advantages,
+            train_greedy=config.train_greedy,
+            train_constrained=config.constrained_turns == "train",
+        )
         state.pending = pending
         if not any(advantages):
             return self._skip(trajectories, "zero_advantage")

@@ -27,6 +27,12 @@ unreproducible, and so is a turn recorded without its sampling (older stores). T
 are left out of the loss and counted (`unreproducible_tokens`), never trained as if on-policy.
 The seed picks the sample, not the distribution: it changes nothing here.
 
+Constrained turns (`Turn.constrained`: structured outputs, e.g. a forced tool call) were sampled
+with a grammar mask applied before step 3, and vLLM records log mu under the masked distribution
+renormalised over the allowed tokens (measured: bench/RESULTS.md, block 10). Without the grammar
+that is not reproducible either; `--constrained-turns skip` (the default) leaves their tokens out
+and counts them (`constrained_tokens`), `train` keeps them against the unmasked pi.
+
 Greedy tokens (T = 0) are not samples of any policy: the trainer leaves them out by default
 and counts them (`greedy_tokens`); `--train-greedy` trains them with their T = 1 logprob,
 which is what vLLM records for them.
@@ -71,6 +77,9 @@ class TokenSampling:
     """[B,T] float32: min_p; 0 is off."""
     reproducible: Tensor
     """[B,T] bool: False on sampled tokens whose distribution the trainer cannot reproduce."""
+    constrained: Tensor
+    """[B,T] bool: True on the sampled tokens of constrained turns (`Turn.constrained`): vLLM
+    drew them from the grammar-masked distribution, which the trainer does not reproduce."""
 
     def to(self, device: torch.device | str) -> TokenSampling:
         return TokenSampling(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -83,18 +92,22 @@ class TokenSampling:
         """Positions 1..T-1: aligned with the logits of positions 0..T-2 that predict them."""
         return TokenSampling(*(getattr(self, f.name)[:, 1:] for f in fields(self)))
 
-    def trainable(self, loss_mask: Tensor, train_greedy: bool) -> Tensor:
-        """[B,T] `loss_mask` without the tokens that must not train: unreproducible ones, and
-        greedy ones unless `train_greedy`."""
+    def trainable(self, loss_mask: Tensor, train_greedy: bool, train_constrained: bool = False) -> Tensor:
+        """[B,T] `loss_mask` without the tokens that must not train: unreproducible ones,
+        greedy ones unless `train_greedy`, constrained ones unless `train_constrained`."""
         keep = self.reproducible if train_greedy else self.reproducible & (self.temperature >= GREEDY_BELOW)
+        if not train_constrained:
+            keep = keep & ~self.constrained
         return loss_mask * keep.to(loss_mask.dtype)
 
     def counts(self) -> dict[str, float]:
-        """Sampled tokens sampled greedily (reproducible ones), and unreproducible ones."""
+        """Sampled tokens sampled greedily (reproducible ones), unreproducible ones, and those
+        of constrained turns (trained or not, as `--constrained-turns` says)."""
         greedy = (self.temperature < GREEDY_BELOW) & self.reproducible
         return {
             "greedy_tokens": float(greedy.sum()),
             "unreproducible_tokens": float((~self.reproducible).sum()),
+            "constrained_tokens": float(self.constrained.sum()),
         }
 
 
@@ -108,10 +121,12 @@ def token_sampling(turns: list[list[Turn]], length: int) -> TokenSampling:
         top_p=torch.ones(size, length, dtype=torch.float32),
         min_p=torch.zeros(size, length, dtype=torch.float32),
         reproducible=torch.ones(size, length, dtype=torch.bool),
+        constrained=torch.zeros(size, length, dtype=torch.bool),
     )
     for row, row_turns in enumerate(turns):
         for turn in row_turns:
             span = slice(turn.completion_start, turn.completion_end)
+            record.constrained[row, span] = turn.constrained
             sampling = turn.sampling
             if sampling is None or not reproducible(sampling):
                 record.reproducible[row, span] = False

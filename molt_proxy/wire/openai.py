@@ -64,7 +64,6 @@ def decode_chat_request(body: bytes) -> ChatCall:
         # continue only one of them: sample N attempts as N sessions instead.
         raise BadRequest("only n=1 is supported; send n requests to sample n replies", param="n")
     check_sampling(request)
-    _refuse_constraints(request)
     conversation = Conversation(
         messages=messages,
         tools=data.get("tools"),
@@ -130,28 +129,6 @@ def check_sampling(request: ChatCompletionRequest) -> None:
 def _in_range(value: float | None, name: str, low: float, high: float) -> None:
     if value is not None and not (math.isfinite(value) and low <= value <= high):
         raise BadRequest(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
-
-
-def _refuse_constraints(request: ChatCompletionRequest) -> None:
-    """Constraints the proxy does not enforce. vLLM could (structured outputs), but it samples
-    from a grammar-masked distribution the trainer's forward pass does not reproduce, so the
-    recorded logprobs would not be the policy's. A request that relies on one fails loudly
-    rather than running unconstrained."""
-    if request.tool_choice == "required" or isinstance(request.tool_choice, dict | pydantic.BaseModel):
-        raise BadRequest(
-            "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
-            param="tool_choice",
-        )
-    if request.response_format is not None and request.response_format.type != "text":
-        raise BadRequest(
-            f"response_format {request.response_format.type!r} is not supported yet; only 'text'",
-            param="response_format",
-        )
-    if request.parallel_tool_calls is False and request.tools:
-        raise BadRequest(
-            "parallel_tool_calls=false is not supported yet: the model may call several tools",
-            param="parallel_tool_calls",
-        )
 
 
 def _normalize_message(message: Any, index: int) -> dict[str, Any]:

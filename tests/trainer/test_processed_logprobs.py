@@ -27,6 +27,7 @@ def logprob(target: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, prob
         top_p=torch.tensor([[top_p]], dtype=torch.float32),
         min_p=torch.tensor([[min_p]], dtype=torch.float32),
         reproducible=torch.tensor([[True]]),
+        constrained=torch.tensor([[False]]),
     )
     return float(processed_logprobs(logits, torch.tensor([[target]]), sampling)[0, 0])
 
@@ -82,6 +83,7 @@ def test_gradient_is_finite_and_reaches_only_the_kept_logits() -> None:
         top_p=torch.tensor([[1.0, 1.0]]),
         min_p=torch.tensor([[0.0, 0.0]]),
         reproducible=torch.ones(1, 2, dtype=torch.bool),
+        constrained=torch.zeros(1, 2, dtype=torch.bool),
     )
     # the second position's target is outside the kept set
     processed_logprobs(logits, torch.tensor([[1, 3]]), sampling).sum().backward()
@@ -152,7 +154,7 @@ def test_turns_whose_distribution_cannot_be_reproduced_are_masked_and_counted(sa
     assert record.reproducible[0].tolist() == [True] * 5 + [False, False, True]
     loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]])
     assert record.trainable(loss_mask, train_greedy=True).tolist() == [[0, 1, 1, 1, 0, 0, 0, 0]]
-    assert record.counts() == {"greedy_tokens": 0.0, "unreproducible_tokens": 2.0}
+    assert record.counts() == {"greedy_tokens": 0.0, "unreproducible_tokens": 2.0, "constrained_tokens": 0.0}
 
 
 def test_only_the_first_min_tokens_of_a_turn_are_unreproducible() -> None:
@@ -166,7 +168,11 @@ def test_greedy_tokens_leave_the_loss_unless_train_greedy() -> None:
     greedy.turns[0].sampling = Sampling(temperature=0.0)
     batch = collate([greedy, sampled], [1.0, 1.0])
     assert batch.loss_mask.tolist() == [[0, 0, 0, 0, 0], [0, 0, 1, 1, 1]]
-    assert batch.sampling.counts() == {"greedy_tokens": 2.0, "unreproducible_tokens": 0.0}
+    assert batch.sampling.counts() == {
+        "greedy_tokens": 2.0,
+        "unreproducible_tokens": 0.0,
+        "constrained_tokens": 0.0,
+    }
     trained = collate([greedy, sampled], [1.0, 1.0], train_greedy=True)
     assert trained.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 

@@ -1,0 +1,293 @@
+"""Constrained decoding: `tool_choice` required or named, `parallel_tool_calls: false`,
+`response_format` JSON and vLLM's `structured_outputs` are sent to vLLM as structured outputs,
+and each such turn is recorded `constrained`.
+
+What the proxy sends and records runs in-process in front of the stand-in vLLM (which lists
+the body of every generate request it got); what a grammar does to real sampling runs
+against the session's real vLLM on the taught tiny Qwen3 (`tests/conftest.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from devtools.scripts import WEATHER_TOOL, weather_episode
+from molt_proxy import store
+from molt_proxy.cli import launched_vllm_args
+from molt_proxy.store import Store
+from tests.helpers import forward_logprobs, reply_as_message, trajectories, write_old_store
+from tests.inprocess import chat_body, inprocess_proxy, post
+
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": PARAMETERS}}]
+STRICT = [{"type": "function", "function": {"name": "f", "parameters": PARAMETERS, "strict": True}}]
+NAMED = {"type": "function", "function": {"name": "f"}}
+BEGINS = ['<tool_call>\n{"name": "f", "arguments": ', '<tool_call>{"name": "f", "arguments": ']
+"""The two forms of vLLM's Hermes structural tag: the template's own markup, and a compact one."""
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The in-process proxy with the Hermes tool parser, in front of the stand-in vLLM."""
+    with inprocess_proxy(tmp_path_factory.mktemp("constrained") / "p.db", tool_call_parser="hermes") as url:
+        yield url
+
+
+def sent_constraint(proxy: str, session: str, **fields: Any) -> tuple[dict[str, Any] | None, bool]:
+    """Send one chat in `session` and close it: the `structured_outputs` vLLM got (None: none)
+    and the turn's `constrained` in the trajectory."""
+    response = post(proxy, f"/s/{session}/v1/chat/completions", json=chat_body(**fields))
+    assert response.status_code == 200, response.text
+    upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    params = httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]
+    post(proxy, "/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
+    [record] = [t for t in trajectories(proxy) if t["session_id"] == session]
+    return params.get("structured_outputs"), record["turns"][0]["constrained"]
+
+
+def tag_format(constraint: dict[str, Any] | None) -> dict[str, Any]:
+    assert constraint is not None and set(constraint) == {"structural_tag"}
+    return json.loads(constraint["structural_tag"])["format"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_is_constrained_to_the_templates_call_markup(proxy, stream):
+    constraint, constrained = sent_constraint(
+        proxy, f"named-{stream}", tools=STRICT, tool_choice=NAMED, stream=stream
+    )
+    assert constrained is True
+    tags = tag_format(constraint)
+    assert (tags["type"], tags["at_least_one"], tags["stop_after_first"]) == (
+        "tags_with_separator",
+        True,
+        True,
+    )
+    assert [tag["begin"] for tag in tags["tags"]] == BEGINS
+    assert [tag["end"] for tag in tags["tags"]] == ["}\n</tool_call>", "}</tool_call>"]
+    # a strict tool's arguments follow its schema
+    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [PARAMETERS, PARAMETERS]
+
+
+def test_required_allows_several_calls_and_a_loose_tool_any_json_arguments(proxy):
+    constraint, constrained = sent_constraint(proxy, "required", tools=TOOLS, tool_choice="required")
+    tags = tag_format(constraint)
+    assert constrained is True and (tags["at_least_one"], tags["stop_after_first"]) == (True, False)
+    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [True, True]
+
+
+def test_parallel_tool_calls_false_allows_text_and_at_most_one_call(proxy):
+    constraint, constrained = sent_constraint(proxy, "single", tools=TOOLS, parallel_tool_calls=False)
+    tags = tag_format(constraint)
+    assert constrained is True
+    assert (tags["type"], tags["triggers"], tags["stop_after_first"]) == (
+        "triggered_tags",
+        ["<tool_call>"],
+        True,
+    )
+
+
+def test_a_strict_tool_constrains_its_calls_under_auto_as_in_vllm(proxy):
+    """Text stays free until `<tool_call>`; a call then follows the strict schema. The turn is
+    constrained (vLLM's chat route does the same)."""
+    constraint, constrained = sent_constraint(proxy, "strict-auto", tools=STRICT)
+    tags = tag_format(constraint)
+    assert constrained is True
+    assert (tags["type"], tags["triggers"], tags["stop_after_first"]) == (
+        "triggered_tags",
+        ["<tool_call>"],
+        False,
+    )
+    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [PARAMETERS, PARAMETERS]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": PARAMETERS}}},
+         {"json": PARAMETERS}),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"response_format": {"type": "text"}}, None),
+        ({"tools": TOOLS}, None),
+        ({"tools": TOOLS, "tool_choice": "none", "parallel_tool_calls": False}, None),
+    ],
+)  # fmt: skip
+def test_output_formats_are_sent_as_vllm_structured_outputs(proxy, fields, expected):
+    constraint, constrained = sent_constraint(proxy, f"format-{json.dumps(fields)}", **fields)
+    assert (constraint, constrained) == (expected, expected is not None)
+
+
+def assert_refused(response: httpx.Response, param: str, message: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["message"]) == ("invalid_request_error", param, message)
+
+
+FORCED = "the forced tool call is the reply's format"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+         f"response_format cannot be combined with tool_choice 'required' or a named function: {FORCED}"),
+        ({"tool_choice": NAMED, "structured_outputs": {"json_object": True}}, "structured_outputs",
+         f"structured_outputs cannot be combined with tool_choice 'required' or a named function: {FORCED}"),
+    ],
+)  # fmt: skip
+def test_an_output_format_beside_a_forced_call_is_refused(proxy, fields, param, message):
+    assert_refused(post(proxy, "/v1/chat/completions", json=chat_body(tools=TOOLS, **fields)), param, message)
+
+
+def test_a_tool_parser_without_a_structural_tag_cannot_force_calls(tmp_path):
+    with inprocess_proxy(tmp_path / "p.db", tool_call_parser="pythonic") as url:
+        for fields, param, what in [
+            ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' or a named function"),
+            ({"tool_choice": NAMED}, "tool_choice", "tool_choice 'required' or a named function"),
+            ({"parallel_tool_calls": False}, "parallel_tool_calls", "parallel_tool_calls=false"),
+        ]:
+            response = post(url, "/v1/chat/completions", json=chat_body(tools=TOOLS, **fields))
+            assert_refused(
+                response,
+                param,
+                f"{what} needs a tool parser whose call markup vLLM can constrain (a structural tag); "
+                "'pythonic' has none",
+            )
+
+
+def test_a_store_from_before_constraints_were_recorded_reads_unconstrained(tmp_path):
+    db_path = tmp_path / "old.db"
+    write_old_store(db_path, store._SCHEMA.replace(",\n    constrained INTEGER", ""), "{}")
+    with sqlite3.connect(db_path) as db:
+        assert "constrained" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
+
+    async def reopen() -> list:
+        old = Store(db_path)
+        await old.open()
+        try:
+            return await old.open_sessions()
+        finally:
+            await old.close()
+
+    [(session, turns)] = asyncio.run(reopen())
+    assert session.id == "s" and turns[0].generation.constrained is False
+    with sqlite3.connect(db_path) as db:
+        assert [row[1] for row in db.execute("PRAGMA table_info(turns)")][-1] == "constrained"
+
+
+def test_a_launched_vllm_gets_the_reasoning_parser_so_grammars_wait_for_the_reasoning():
+    assert launched_vllm_args(["--seed", "1"], "qwen3") == ["--seed", "1", "--reasoning-parser", "qwen3"]
+    own = ["--reasoning-parser=deepseek_r1"]  # the user's own choice stands
+    assert launched_vllm_args(own, "qwen3") == own
+    assert launched_vllm_args([], None) == []
+
+
+# -- real sampling: the session's vLLM on the taught tiny Qwen3 ---------------------------------
+
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {
+        **WEATHER_TOOL["function"],
+        "strict": True,
+        "parameters": {**WEATHER_TOOL["function"]["parameters"], "additionalProperties": False},
+    },
+}
+"""The script's tool, strict: its arguments must follow its schema (a string `city`, nothing else)."""
+
+
+def _history(upto: int) -> list[dict[str, Any]]:
+    """The weather script's first `upto` messages (its tool calls as an agent echoes them)."""
+    return json.loads(json.dumps(weather_episode("hermes")["messages"][:upto]))
+
+
+def _continue_exactly(
+    proxy, client: OpenAI, session: str, history: list[dict[str, Any]], tool: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One more turn on `history` (with the same `tool`, so the same system prompt), then the
+    session's turns; its one segment's unconstrained sampled tokens are the model's own
+    logprobs (<= 1e-4). The turn is unconstrained with tool_choice none: with `auto`, a strict
+    tool constrains the calls (vLLM's structural tag), and the turn would be constrained."""
+    client.chat.completions.create(
+        model="tiny", messages=history, tools=[tool], tool_choice="none", max_tokens=16, seed=3
+    )
+    post(proxy.url, "/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
+    [record] = trajectories(proxy.url)  # one segment: the echo re-rendered the sampled bytes
+    reference = forward_logprobs(proxy.model, record["token_ids"])
+    for turn in record["turns"]:
+        if not turn["constrained"]:
+            sampled = range(turn["completion_start"], turn["completion_end"])
+            assert max(abs(record["logprobs"][i] - reference[i]) for i in sampled) <= 1e-4
+    return record["turns"]
+
+
+def test_a_forced_call_on_the_untaught_tiny_model_is_valid_json_and_its_echo_continues_exactly(
+    qwen3_model: Path, qwen3_vllm, start_proxy
+):
+    """After "Thanks!" the model was taught to answer "You're welcome!", never to call a tool:
+    the grammar makes it call `get_weather` (greedy, so the reply is the same every run) with
+    arguments that follow the strict schema. The agent echoes the call; the template renders
+    exactly the sampled bytes, so the next, unconstrained turn continues the segment, exact."""
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    client = OpenAI(base_url=proxy.base_url("forced"), api_key="x")
+    history = _history(11)
+    forced = client.chat.completions.create(
+        model="tiny",
+        messages=history,
+        tools=[STRICT_WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=40,
+    )
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and list(arguments) == ["city"]
+    assert isinstance(arguments["city"], str)
+    history += [
+        reply_as_message(choice.message),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny."},
+    ]
+    first, second = _continue_exactly(proxy, client, "forced", history, STRICT_WEATHER)
+    assert (first["constrained"], second["constrained"]) == (True, False)
+
+
+def test_a_json_schema_reply_is_schema_valid_and_its_echo_continues_exactly(
+    qwen3_model: Path, qwen3_vllm, start_proxy
+):
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    client = OpenAI(base_url=proxy.base_url("json"), api_key="x")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    history = _history(2)
+    shaped = client.chat.completions.create(
+        model="tiny",
+        messages=history,
+        tools=[WEATHER_TOOL],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "w", "strict": True, "schema": schema},
+        },
+        max_tokens=40,
+        seed=1,
+    )
+    assert shaped.choices[0].finish_reason == "stop"
+    content = json.loads(shaped.choices[0].message.content)
+    assert list(content) == ["city"] and content["city"] in ("Paris", "London")
+    history += [reply_as_message(shaped.choices[0].message), {"role": "user", "content": "And Tokyo?"}]
+    first, second = _continue_exactly(proxy, client, "json", history, WEATHER_TOOL)
+    assert (first["constrained"], second["constrained"]) == (True, False)
