@@ -199,10 +199,23 @@ STRICT_WEATHER = {
     "function": {
         **WEATHER_TOOL["function"],
         "strict": True,
-        "parameters": {**WEATHER_TOOL["function"]["parameters"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {
+                    "type": "string",
+                    "description": "The city name.",
+                    "enum": ["Paris", "London", "Tokyo"],
+                }
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
 }
-"""The script's tool, strict: its arguments must follow its schema (a string `city`, nothing else)."""
+"""The script's tool, strict: its arguments must follow its schema (one of three cities, nothing
+else). The cities are listed because a free string lets the untaught model, greedy, loop inside
+it until `max_tokens`."""
 
 
 def _history(upto: int) -> list[dict[str, Any]]:
