@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS turns (
     reply TEXT NOT NULL,
     reward REAL,
     sampling TEXT,
-    idempotency_key TEXT
+    idempotency_key TEXT,
+    echo BLOB
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
 CREATE TABLE IF NOT EXISTS completions (
@@ -112,6 +113,7 @@ def _turn(
     reward: float | None,
     sampling: str | None,
     idempotency_key: str | None,
+    echo: bytes | None,
 ) -> StoredTurn:
     generation = Generation(
         token_ids=_unpack("i", sampled),
@@ -130,6 +132,7 @@ def _turn(
         reward,
         Sampling.from_json(json.loads(sampling)) if sampling else None,
         idempotency_key,
+        echo,
     )
 
 
@@ -206,7 +209,7 @@ class Store:
         for sid, *turn in self.db.execute(
             "SELECT t.session_id, t.completion_id, t.segment, t.new_ids, t.sampled_ids, t.logprobs,"
             " t.versions, t.finish_reason, t.created, t.request_hash, t.reply, t.reward, t.sampling,"
-            " t.idempotency_key"
+            " t.idempotency_key, t.echo"
             " FROM turns t JOIN sessions s ON s.id = t.session_id WHERE s.status = ? ORDER BY t.position",
             (SessionStatus.OPEN.value,),
         ):
@@ -236,8 +239,8 @@ class Store:
         await self._run(
             self.db.execute,
             "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-            " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key, echo)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.completion_id,
                 session_id,
@@ -252,6 +255,7 @@ class Store:
                 json.dumps(turn.reply.to_json()) if turn.reply is not None else "{}",
                 json.dumps(asdict(turn.sampling)) if turn.sampling else None,
                 turn.idempotency_key,
+                turn.echo,
             ),
         )
 

@@ -29,12 +29,13 @@ def make_private(path: str) -> None:
 
 def add_turn_columns(db: sqlite3.Connection) -> None:
     """A store from before a turn column existed gets it, NULL on its rows: `sampling` (the
-    trainer leaves the tokens of such turns out, as it cannot know their distribution) and
-    `idempotency_key` (such a turn is replayed by its request hash only)."""
+    trainer leaves the tokens of such turns out, as it cannot know their distribution),
+    `idempotency_key` (such a turn is replayed by its request hash only) and `echo` (the
+    reply's echo view: such a turn is continued by its sampled bytes only, as it was then)."""
     columns = [row[1] for row in db.execute("PRAGMA table_info(turns)")]
-    for name in ("sampling", "idempotency_key"):
+    for name, kind in (("sampling", "TEXT"), ("idempotency_key", "TEXT"), ("echo", "BLOB")):
         if name not in columns:
-            db.execute(f"ALTER TABLE turns ADD COLUMN {name} TEXT")
+            db.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
 
 
 def hash_plain_session_keys(db: sqlite3.Connection) -> None:
