@@ -84,10 +84,11 @@ class Returned:
         return lambda key: self._by_key.get(key, {}).get(session_id)
 
     def among(self, accept: Callable[[str], bool]) -> Find:
-        """A lookup in the sessions `accept` admits, the latest reply first."""
+        """A lookup in the sessions `accept` admits, the latest reply first. A large request
+        looks up in a worker thread while the loop records turns: it reads a snapshot."""
 
         def find(key: str) -> ParsedReply | None:
-            for session_id, reply in reversed(self._by_key.get(key, {}).items()):
+            for session_id, reply in reversed(tuple(self._by_key.get(key, {}).items())):
                 if accept(session_id):
                     return reply
             return None

@@ -21,15 +21,16 @@ from typing import Any
 
 import httpx
 import pytest
+from openai import OpenAI
 
-from devtools import WEATHER_TOOL, tokenizer_source
+from devtools import WEATHER_TOOL, tokenizer_source, weather_episode
 from molt_proxy import store
 from molt_proxy.config import Settings
 from molt_proxy.echo import same_json
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
-from tests.helpers import trajectories, write_old_store
+from tests.helpers import assert_exact, play, reply_as_message, trajectories, write_old_store
 from tests.inprocess import mock_vllm, serve_app
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
@@ -326,3 +327,71 @@ def test_a_store_from_before_echo_views_opens_and_its_turns_continue_by_their_sa
     assert segment.token_ids == [1, 2, 3] and segment.echo is None
     with sqlite3.connect(db_path) as db:
         assert "echo" in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
+
+
+# -- real sampling: vLLM on CPU, the openai SDK --------------------------------------------
+
+
+def pydantic_ai_echo(message: Any) -> dict[str, Any]:
+    """An echo as pydantic-ai and Claude Code write it: arguments compact with sorted keys,
+    content trimmed."""
+    data = reply_as_message(message)
+    for call in data.get("tool_calls", []):
+        arguments = json.loads(call["function"]["arguments"])
+        call["function"]["arguments"] = json.dumps(arguments, separators=(",", ":"), sort_keys=True)
+    if data.get("content"):
+        data["content"] = data["content"].strip()
+    return data
+
+
+def test_vllm_re_serialising_agents_named_and_zero_config_are_one_exact_segment(
+    qwen3_model, qwen3_vllm, start_proxy
+):
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    conversation = weather_episode("hermes")
+    sessions = []
+    for base in (proxy.base_url("named"), proxy.base_url()):
+        client = OpenAI(base_url=base, api_key="-", max_retries=0)
+        replies = play(client, conversation, echo=pydantic_ai_echo).replies
+        assert '"city": "Paris"' in replies[0].choices[0].message.tool_calls[0].function.arguments
+        [session] = {r.model_extra["session_id"] for r in replies}  # zero-config: one session
+        described = httpx.get(f"{proxy.url}/v1/sessions/{session}", timeout=10).json()
+        assert [s["turns"] for s in described["segments"]] == [[r.id for r in replies]]
+        sessions.append(session)
+    for session in sessions:
+        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1}).raise_for_status()
+    records = trajectories(proxy.url)
+    assert [r["session_id"] for r in records] == sessions
+    for record in records:
+        assert_exact(record, qwen3_model)
+
+
+def test_vllm_cut_replies_echoed_as_returned_stay_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    newline = Tokenizer.load(str(qwen3_model)).encode("\n")
+    cases = {
+        "stop": {"stop": ["e"]},
+        "stop-included": {"stop": ["e"], "include_stop_str_in_output": True},
+        "stop-id": {"stop_token_ids": newline},
+    }
+    for session, fields in cases.items():
+        client = OpenAI(base_url=proxy.base_url(session), api_key="-", max_retries=0)
+        history: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        replies = []
+        for _ in range(3):
+            reply = client.chat.completions.create(
+                model="tiny",
+                messages=history,
+                tools=[WEATHER_TOOL],
+                temperature=0,
+                max_tokens=30,
+                extra_body=fields,
+            )
+            replies.append(reply)
+            history += [reply_as_message(reply.choices[0].message), {"role": "user", "content": "More."}]
+        described = httpx.get(f"{proxy.url}/v1/sessions/{session}", timeout=10).json()
+        assert [s["turns"] for s in described["segments"]] == [[r.id for r in replies]]
+        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1}).raise_for_status()
+    for record in trajectories(proxy.url):
+        assert [t["finish_reason"] for t in record["turns"]] == ["stop"] * 3
+        assert_exact(record, qwen3_model)
