@@ -6,11 +6,11 @@ registry is in memory and mirrored in the store; `recover` rebuilds it after a r
 A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
 
 A request without a session id joins the inferred session whose open segment its render
-continues byte for byte, or starts a new one. Sessions whose histories render alike (N
-attempts at one task, sampled alike) are told apart by the tool-call ids the proxy minted for
-their replies, which the agent echoes but the template may not print; failing that, a request
-takes an idle one, so each attempt keeps a session of its own (truly identical histories are
-interchangeable: same tokens, same record).
+(its echoes restored: `returned_to`, `echo.py`) continues, or starts a new one. Sessions
+whose histories render alike (N attempts at one task, sampled alike) are told apart by the
+tool-call ids the proxy minted for their replies, which the agent echoes but the template may
+not print; failing that, a request takes an idle one, so each attempt keeps a session of its
+own (truly identical histories are interchangeable: same tokens, same record).
 """
 
 from __future__ import annotations

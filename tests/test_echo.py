@@ -287,24 +287,29 @@ def _splits_a_character(tokenizer: Tokenizer, ids: list[int]) -> bool:
 
 
 def test_zero_config_compact_json_episode_is_one_session_and_survives_a_restart(tmp_path):
-    # pydantic-ai's episode: no session id, arguments echoed compact. A stand-in vLLM (and its
-    # script) is per proxy: the restarted proxy gets its own.
+    # pydantic-ai's episode: no session id, arguments echoed compact; one reply cut by a stop
+    # string before the restart and echoed after it (its echo view comes from the store). A
+    # stand-in vLLM (and its script) is per proxy: the restarted proxy gets its own.
     db = tmp_path / "p.db"
     with served("qwen3", db) as proxy:
         first, second, _, history = tool_episode(
             proxy, qwen3_call('{"city": "Paris"}'), '{"city":"Paris"}', session=None
         )
-        session = first["session_id"]
-        assert second["session_id"] == session and proxy.segments(session) == [[first["id"], second["id"]]]
-    history += [echoed(second), {"role": "user", "content": "And Lyon?"}]
+        history += [echoed(second), {"role": "user", "content": "Wipe?"}]
+        proxy.sample(ids=proxy.tokenizer.encode(" I wipe"))
+        third = proxy.chat(history, session=None, stop=["e"])
+        replies = [first, second, third]
+        [session] = {r["session_id"] for r in replies}
+        assert proxy.segments(session) == [[r["id"] for r in replies]]
+    history += [echoed(third), {"role": "user", "content": "And Lyon?"}]
     with served("qwen3", db) as restarted:
         restarted.sample(qwen3_call('{"city": "Lyon"}'))
-        third = restarted.chat(history, session=None)
-        history += [echoed(third, '{"city":"Lyon"}'), *results(third)]
+        replies.append(restarted.chat(history, session=None))
+        history += [echoed(replies[-1], '{"city":"Lyon"}'), *results(replies[-1])]
         restarted.sample("Cloudy.")
-        fourth = restarted.chat(history, session=None)
-        assert {third["session_id"], fourth["session_id"]} == {session}
-        assert restarted.segments(session) == [[first["id"], second["id"], third["id"], fourth["id"]]]
+        replies.append(restarted.chat(history, session=None))
+        assert {r["session_id"] for r in replies} == {session}
+        assert restarted.segments(session) == [[r["id"] for r in replies]]
 
 
 def test_a_store_from_before_echo_views_opens_and_its_turns_continue_by_their_sampled_bytes(tmp_path):
