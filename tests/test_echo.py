@@ -89,12 +89,18 @@ def _tokenizer_dir(arch: str) -> Path:
 
 
 @contextmanager
-def served(arch: str, db: Path) -> Iterator[Proxy]:
+def served(arch: str, db: Path, reasoning_parser: str | None = None) -> Iterator[Proxy]:
     model = _tokenizer_dir(arch)
     parser = "hermes" if arch == "qwen3" else "llama3_json"
     with mock_vllm(model) as upstream:
-        base = Settings(model=str(model), upstreams=[upstream], db_path=db, tool_call_parser=parser)
-        with serve_app(base) as url:
+        settings = Settings(
+            model=str(model),
+            upstreams=[upstream],
+            db_path=db,
+            tool_call_parser=parser,
+            reasoning_parser=reasoning_parser,
+        )
+        with serve_app(settings) as url:
             yield Proxy(url, upstream, Tokenizer.load(str(model)))
 
 
@@ -190,6 +196,27 @@ def test_qwen3_arguments_that_mean_something_else_seal(qwen3, echo):
     [_, new] = qwen3.record()
     prompt = new["token_ids"][: new["turns"][0]["completion_start"]]
     assert prompt == qwen3.tokenizer.encode(qwen3.tokenizer.render(history, [WEATHER_TOOL], {}))
+
+
+def test_qwen3_thinking_continues_in_a_tool_loop_and_seals_where_the_template_drops_it(tmp_path):
+    with served("qwen3", tmp_path / "thinking.db", reasoning_parser="qwen3") as proxy:
+        # Sampled without the newlines the template writes around reasoning: the echo view
+        # maps the re-rendered reply back while the template shows it (a tool loop)...
+        proxy.sample("<think>Paris, then.</think>" + qwen3_call('{"city":"Paris"}'))
+        first = proxy.chat(QUESTION)
+        assert first["choices"][0]["message"]["reasoning_content"] == "Paris, then."
+        history = [*QUESTION, echoed(first, '{"city": "Paris"}'), *results(first)]
+        proxy.sample("<think>Done.</think>Sunny.")
+        second = proxy.chat(history)
+        assert proxy.segments() == [[first["id"], second["id"]]]
+        # ... but not once a user turn makes the template drop earlier reasoning: a rewrite,
+        # even where the reply's echo view would match (it does not show the reasoning).
+        replies = [first, second]
+        for question in ("Thanks!", "Bye?"):
+            history += [echoed(replies[-1]), {"role": "user", "content": question}]
+            proxy.sample("<think>Polite.</think>Bye.")
+            replies.append(proxy.chat(history))
+        assert proxy.segments() == [[first["id"], second["id"]], [replies[2]["id"]], [replies[3]["id"]]]
 
 
 def test_json_values_compare_by_meaning():
