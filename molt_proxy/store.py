@@ -2,8 +2,9 @@
 
 Every turn and every reward is committed (`synchronous=FULL`) before the proxy answers, so a
 killed proxy loses nothing it acknowledged. A turn row holds only what the turn appended
-(its new prompt ids and its sampled ids, as packed arrays), so a write costs the turn, not
-the conversation; open sessions are rebuilt on restart by replaying their turns in order.
+(its new prompt ids and its sampled ids, as packed arrays) with its reply and the reply's echo
+view (`echo.py`), so a write costs the turn, not the conversation; open sessions are rebuilt
+on restart by replaying their turns in order.
 Finalized trajectories get a dense, increasing `seq`: the trainer's cursor.
 
 Each token is kept once. Closing a session writes its trajectories and, in the same
