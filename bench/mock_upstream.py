@@ -6,7 +6,9 @@ It answers the routes the front-ends call, with bodies shaped like vLLM 0.32's:
 logprobs in vLLM's order when `sampling_params.logprobs` asks for them, see `top_logprobs`),
 `POST /v1/chat/completions` (the pass-through and LiteLLM; streamed one word per chunk),
 `GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
-once; aiohttp's server keeps the per-request cost to well under a millisecond.
+once; aiohttp's server keeps the per-request cost to well under a millisecond. Tests that
+need other replies queue them with `POST /_script` (a JSON list of `{"token_ids": [...],
+"finish_reason": ...}`): the next whole (not streamed) generate requests answer them, in order.
 
 The weight-refresh routes (`/pause`, `/collective_rpc`, `/update_weight_version`, `/resume`)
 only record that they were called, in order, as `(path, body)` in the list `calls` passed to
@@ -49,6 +51,7 @@ def build_app(
 ) -> web.Application:
     calls = [] if calls is None else calls
     generated: list[dict] = []
+    script: list[dict] = []
     logprobs = {
         "content": [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in reply_ids]
     }
@@ -126,16 +129,20 @@ def build_app(
         if body.get("stream"):
             return await sse(request, token_chunks(asked) if asked else streamed_tokens)
         prompt = body["token_ids"]
+        if script:
+            answer = _scripted(script.pop(0), choice["weight_versions"])
+        else:
+            answer = {**choice, "logprobs": with_top(asked)} if asked else choice
         reply = {
             "request_id": uuid.uuid4().hex,
             "model": model,
             "created": int(time.time()),
             "output_mode": "tokens",
-            "choices": [{**choice, "logprobs": with_top(asked)} if asked else choice],
+            "choices": [answer],
             "usage": {
                 "prompt_tokens": len(prompt),
-                "completion_tokens": len(reply_ids),
-                "total_tokens": len(prompt) + len(reply_ids),
+                "completion_tokens": len(answer["token_ids"]),
+                "total_tokens": len(prompt) + len(answer["token_ids"]),
             },
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
         }
@@ -184,6 +191,10 @@ def build_app(
     async def list_generated(_: web.Request) -> web.Response:
         return web.json_response(generated)
 
+    async def add_script(request: web.Request) -> web.Response:
+        script.extend(await request.json())
+        return web.json_response({"queued": len(script)})
+
     app = web.Application(client_max_size=2**30)  # vLLM takes prompts of any size; aiohttp's default is 1 MiB
     app.router.add_post("/inference/v1/generate", generate)
     app.router.add_post("/v1/chat/completions", chat)
@@ -193,7 +204,22 @@ def build_app(
         app.router.add_post(path, admin)
     app.router.add_get("/_calls", list_calls)
     app.router.add_get("/_generated", list_generated)
+    app.router.add_post("/_script", add_script)
     return app
+
+
+def _scripted(reply: dict, versions: list[dict]) -> dict:
+    """A queued reply in the shape of `choice` (logprob -0.5 for every id)."""
+    ids = reply["token_ids"]
+    entries = [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in ids]
+    return {
+        "index": 0,
+        "token_ids": ids,
+        "logprobs": {"content": entries},
+        "weight_versions": [{**versions[0], "start": 0, "end": len(ids)}],
+        "finish_reason": reply["finish_reason"],
+        "stop_reason": None,
+    }
 
 
 def main() -> None:

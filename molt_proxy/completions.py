@@ -21,22 +21,26 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 from molt_proxy.conversation import Conversation
+from molt_proxy.echo import Find, Rendered, echo_view, restore
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
-from molt_proxy.session import Attempt, Caller
-from molt_proxy.sessions import OpenTurn, Sessions
+from molt_proxy.session import Attempt, Caller, OpenTurn
+from molt_proxy.sessions import Sessions
 from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment, TokenLogprobs
 from molt_proxy.upstream import TokenDelta
 from molt_proxy.wire.events import Answer, Closed, Delta, Opened, Replayed, StreamEvent
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 OFF_LOOP_BYTES = 64 * 1024
 """Requests with a body this large or larger render and tokenize in a worker thread, so they
@@ -57,6 +61,12 @@ class Prepared:
     """Their record, kept on the turn for the trainer."""
     constrained: bool
     """vLLM samples under structured outputs (`constraints.py`): `fields` carry them."""
+    rendered: Rendered
+    """The render the prompt was planned from: the reply's echo view is rendered against it."""
+    request: ChatCompletionRequest
+    """vLLM's request (`Conversation.parser_request`): its stop ids end a turn too."""
+    off_loop: bool
+    """A large request: its echo view is rendered in a worker thread, as its prompt was."""
 
 
 class Completions:
@@ -148,19 +158,20 @@ class Completions:
     @asynccontextmanager
     async def _turn(
         self, caller: Caller, conversation: Conversation, body: bytes, attempt: Attempt
-    ) -> AsyncIterator[tuple[OpenTurn, str]]:
-        """The opening every turn shares: render the request and open its session's turn
-        (`turn.replay` says whether `attempt` retries a request answered), which the end of
-        the block closes. Yields the turn and the render."""
-        rendered = await self._render(conversation, body)
-        async with self.sessions.turn(caller, rendered.encode(), conversation.call_ids, attempt) as turn:
+    ) -> AsyncIterator[tuple[OpenTurn, Rendered]]:
+        """The opening every turn shares: render the request, its echoes restored to what the
+        proxy returned (`echo.py`), and open its session's turn (`turn.replay` says whether
+        `attempt` retries a request answered), which the end of the block closes. Yields the
+        turn and the render."""
+        rendered = await self._render(conversation, body, self.sessions.returned_to(caller))
+        async with self.sessions.turn(caller, rendered.text.encode(), conversation.call_ids, attempt) as turn:
             yield turn, rendered
 
     async def _prepare(
-        self, turn: OpenTurn, rendered: str, conversation: Conversation, body: bytes
+        self, turn: OpenTurn, rendered: Rendered, conversation: Conversation, body: bytes
     ) -> Prepared:
         """The prompt ids (continuing the open segment or not), the model and the sampling."""
-        plan = await self._plan(turn.session.open_segment, rendered, body)
+        plan = await self._plan(turn.session.open_segment, rendered.text, body)
         model = await self.replicas.model()
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
         requested = {**conversation.sampling, "max_tokens": max_tokens}
@@ -168,7 +179,18 @@ class Completions:
         constraint = self.parser.structured_outputs(conversation.parser_request)
         if constraint is not None:
             fields["structured_outputs"] = constraint
-        return Prepared(plan, self.served_model_name or model.id, fields, applied, constraint is not None)
+        model_id = self.served_model_name or model.id
+        off_loop = len(body) >= OFF_LOOP_BYTES
+        return Prepared(
+            plan,
+            model_id,
+            fields,
+            applied,
+            constraint is not None,
+            rendered,
+            conversation.parser_request,
+            off_loop,
+        )
 
     async def _finish(
         self,
@@ -181,7 +203,8 @@ class Completions:
         logprobs: list[TokenLogprobs] | None,
     ) -> RecordedReply:
         """The closing every turn shares: the reply in neutral form, recorded with the turn
-        (a retry of this request is answered from it, logprobs included)."""
+        (a retry of this request is answered from it, logprobs included) and with its echo
+        view."""
         reply = RecordedReply(
             completion_id=completion_id,
             created=created,
@@ -193,21 +216,30 @@ class Completions:
             logprobs=logprobs,
         )
         generation = replace(generation, constrained=prepared.constrained)
-        await turn.record(prepared.plan, generation, reply, prepared.applied)
+        sampled = generation.token_ids
+        ends_turn = self.parser.ends_with_stop_id(sampled, generation.finish_reason, prepared.request)
+        view = (self.tokenizer, prepared.rendered, message, self.tokenizer.ids_bytes(sampled), ends_turn)
+        echo = await asyncio.to_thread(echo_view, *view) if prepared.off_loop else echo_view(*view)
+        await turn.record(prepared.plan, generation, reply, prepared.applied, echo)
         return reply
 
-    async def _render(self, conversation: Conversation, body: bytes) -> str:
-        """The prompt text. A large request renders in a worker thread, and one that cannot
-        fit the context whatever its tokens is refused there, before any tokenizing."""
-        args = (conversation.messages, conversation.tools, conversation.template_kwargs)
+    async def _render(self, conversation: Conversation, body: bytes, returned: Find) -> Rendered:
+        """The prompt text, rendered from the messages with their echoes restored. A large
+        request renders in a worker thread, and one that cannot fit the context whatever its
+        tokens is refused there, before any tokenizing."""
         if len(body) < OFF_LOOP_BYTES:
-            return self.tokenizer.render(*args)
+            return self._rendered(conversation, returned)
         max_model_len = (await self.replicas.model()).max_model_len
-        return await asyncio.to_thread(self._render_fitting, *args, max_model_len=max_model_len)
+        return await asyncio.to_thread(self._render_fitting, conversation, returned, max_model_len)
 
-    def _render_fitting(self, *args: Any, max_model_len: int) -> str:
-        rendered = self.tokenizer.render(*args)
-        at_least = self.tokenizer.min_tokens(rendered)
+    def _rendered(self, conversation: Conversation, returned: Find) -> Rendered:
+        messages = restore(conversation.messages, returned)
+        text = self.tokenizer.render(messages, conversation.tools, conversation.template_kwargs)
+        return Rendered(text, messages, conversation.tools, conversation.template_kwargs)
+
+    def _render_fitting(self, conversation: Conversation, returned: Find, max_model_len: int) -> Rendered:
+        rendered = self._rendered(conversation, returned)
+        at_least = self.tokenizer.min_tokens(rendered.text)
         if at_least >= max_model_len:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_model_len} tokens, but the "

@@ -73,11 +73,11 @@ class ReplyParser:
     ) -> ParsedReply:
         """The reply message. `finish_reason` (vLLM's) says whether a trailing stop id ends it."""
         ids = sampled_ids
-        if finish_reason == "stop" and ids and ids[-1] in self.stop_ids | set(request.stop_token_ids or []):
+        if self.ends_with_stop_id(ids, finish_reason, request):
             ids = ids[:-1]
         tool_parser = self._tool_parser(request)
         text = self.tokenizer.decode(ids, skip_special_tokens=self._skip_special(request))
-        text = _cut_at_stop_string(text, request.stop)
+        text = _cut_at_stop_string(text, request.stop, request.include_stop_str_in_output)
         reply = ParsedReply(content=text)
         if self._reasoning_cls is not None:
             parser = self._reasoning_cls(
@@ -97,6 +97,12 @@ class ReplyParser:
         same combined parser vLLM's chat route would use; None: unconstrained."""
         cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
         return structured_outputs(request, cls, self._tool_parser_name, self.tokenizer.hf)
+
+    def ends_with_stop_id(self, ids: list[int], finish_reason: str, request: ChatCompletionRequest) -> bool:
+        """Whether the turn ended on a stop id (the model's end of turn, or one of the request's
+        `stop_token_ids`), which the reply leaves out."""
+        stop_ids = self.stop_ids | set(request.stop_token_ids or [])
+        return finish_reason == "stop" and bool(ids) and ids[-1] in stop_ids
 
     def _tools_enabled(self, request: ChatCompletionRequest) -> bool:
         return self._tool_cls is not None and bool(request.tools) and request.tool_choice != "none"
@@ -185,10 +191,12 @@ class ReplyStream:
         """The text that can go out now: up to a stop string, minus a tail that may start one."""
         if self._stopped:
             return ""
-        cut = min((i for i in (self._text.find(s) for s in self._stop_strings) if i != -1), default=-1)
-        if cut != -1:
+        found = [(i, s) for s in self._stop_strings if (i := self._text.find(s)) != -1]
+        if found:
+            cut, stop = min(found)
             self._stopped = True
-            out, self._text = self._text[:cut], ""
+            end = cut + len(stop) if self.request.include_stop_str_in_output else cut
+            out, self._text = self._text[:end], ""
             return out
         keep = 0 if finished else max((len(s) - 1 for s in self._stop_strings), default=0)
         out_len = max(len(self._text) - keep, 0)
@@ -231,12 +239,13 @@ def _exact_tool_calls(text: str, calls: list[Any]) -> list[dict[str, Any]]:
     return result
 
 
-def _cut_at_stop_string(text: str, stop: str | list[str] | None) -> str:
-    """vLLM ends generation at a stop string but the ids keep it; the reply must not."""
+def _cut_at_stop_string(text: str, stop: str | list[str] | None, include: bool) -> str:
+    """vLLM ends generation at a stop string but the ids keep the whole token holding it; the
+    reply ends before the stop string, or just after it with `include_stop_str_in_output`."""
     if not stop:
         return text
     for s in [stop] if isinstance(stop, str) else stop:
         index = text.find(s)
         if index != -1:
-            text = text[:index]
+            text = text[: index + len(s) if include else index]
     return text

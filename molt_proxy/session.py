@@ -1,6 +1,6 @@
-"""One session in memory: its segments, its lock, the replies a retry gets, and the hints a
-request names it by. State only; the registry that creates, finds and closes sessions is
-`sessions.py`."""
+"""One session in memory: its segments, its lock, the replies a retry gets, the hints a
+request names it by, and a turn open on it. State only; the registry that creates, finds and
+closes sessions is `sessions.py`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import asyncio
 import hashlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from molt_proxy.auth import Principal
 from molt_proxy.errors import BadRequest
-from molt_proxy.types import RecordedReply, Segment, SessionStatus, Trajectory
+from molt_proxy.types import Generation, RecordedReply, Sampling, Segment, SessionStatus, Trajectory
+
+if TYPE_CHECKING:
+    from molt_proxy.sessions import Sessions
+    from molt_proxy.stitching import PromptPlan
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,3 +150,32 @@ def default_group(session: Session) -> str:
     first = session.segments[0]
     prompt = first.token_ids[: first.turns[0].completion_start]
     return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class OpenTurn:
+    """A turn in progress on its session, which stays locked while the turn is open
+    (`Sessions.turn`). Format-agnostic: a wire format brings the render and encodes the reply."""
+
+    sessions: Sessions
+    session: Session
+    attempt: Attempt
+
+    @property
+    def replay(self) -> RecordedReply | None:
+        """The reply to give again when this request retries one the session answered (its
+        client lost the answer); None: sample a new one (`Session.replay`)."""
+        return self.session.replay(self.attempt)
+
+    async def record(
+        self,
+        plan: PromptPlan,
+        generation: Generation,
+        reply: RecordedReply,
+        sampling: Sampling | None,
+        echo: bytes | None = None,
+    ) -> None:
+        hashed, key = self.attempt.request_hash, self.attempt.idempotency_key
+        await self.sessions.record(
+            self.session, plan, generation, hashed, reply, sampling=sampling, idempotency_key=key, echo=echo
+        )

@@ -6,11 +6,11 @@ registry is in memory and mirrored in the store; `recover` rebuilds it after a r
 A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
 
 A request without a session id joins the inferred session whose open segment its render
-continues byte for byte, or starts a new one. Sessions whose histories render alike (N
-attempts at one task, sampled alike) are told apart by the tool-call ids the proxy minted for
-their replies, which the agent echoes but the template may not print; failing that, a request
-takes an idle one, so each attempt keeps a session of its own (truly identical histories are
-interchangeable: same tokens, same record).
+(its echoes restored: `returned_to`, `echo.py`) continues, or starts a new one. Sessions
+whose histories render alike (N attempts at one task, sampled alike) are told apart by the
+tool-call ids the proxy minted for their replies, which the agent echoes but the template may
+not print; failing that, a request takes an idle one, so each attempt keeps a session of its
+own (truly identical histories are interchangeable: same tokens, same record).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
+from molt_proxy.echo import Find, Returned
 from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
-from molt_proxy.session import Attempt, Caller, Session
-from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
+from molt_proxy.session import Attempt, Caller, OpenTurn, Session
+from molt_proxy.stitching import PromptPlan, TokenText, commit_to, continued_length, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
     Generation,
@@ -61,6 +61,8 @@ class Sessions:
         """Completion id → open session id: rewards may name any reply the agent received."""
         self._creating: dict[str, asyncio.Event] = {}
         """Ids being created (set when done): a session is reserved before its first await."""
+        self.returned = Returned()
+        """What each open session's turns returned, for echo restoration (`echo.py`)."""
 
     async def recover(self) -> int:
         """Rebuild every open session from the store; returns how many."""
@@ -84,11 +86,14 @@ class Sessions:
                     turn.completion_id,
                     self.tokenizer,
                     turn.sampling,
+                    turn.echo,
                 )
                 replayed.created, replayed.reward = turn.created, turn.reward
                 session.answered(turn.request_hash, turn.idempotency_key, turn.reply)
                 session.last_active = turn.created
-                session.call_ids |= turn.reply.call_ids if turn.reply is not None else set()
+                if turn.reply is not None:
+                    session.call_ids |= turn.reply.call_ids
+                    self.returned.add(session.id, turn.reply.message)
             self._register(session)
         return len(self._open)
 
@@ -169,16 +174,10 @@ class Sessions:
         metadata; created on first use), by a session-scoped key, or inferred from `rendered`
         and the tool-call ids its messages echo, among the sessions of the same owner. A
         session its principal may not use is refused. Only `turn` calls it: it releases the lock."""
-        session_id, api_key, group_id, principal = (
-            caller.session_id,
-            caller.api_key,
-            caller.group_id,
-            caller.principal,
-        )
-        if session_id is None and api_key and api_key.startswith(SESSION_KEY_PREFIX):
-            session_id = self._by_key.get(key_id(api_key))
-            if session_id is None:
-                raise Unauthorized("unknown or closed session key")
+        group_id, principal = caller.group_id, caller.principal
+        session_id = self._named(caller)
+        if session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+            raise Unauthorized("unknown or closed session key")
         if session_id is None:
             session = await self._continued(rendered, call_ids, principal.owner)
             if session is None:
@@ -199,6 +198,27 @@ class Sessions:
                 param="X-Group-Id",
             )
         return session
+
+    def _named(self, caller: Caller) -> str | None:
+        """The session id a request names (path, header or metadata) or its session key stands
+        for; None: neither (an unknown session key included)."""
+        if caller.session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+            return self._by_key.get(key_id(caller.api_key))
+        return caller.session_id
+
+    def returned_to(self, caller: Caller) -> Find:
+        """Where the echoes in `caller`'s request are looked up (`echo.restore`): the session it
+        names, else the inferred sessions of its owner, which it may join."""
+        named = self._named(caller)
+        if named is not None:
+            return self.returned.of_session(named)
+        owner = caller.principal.owner
+
+        def joinable(session_id: str) -> bool:
+            session = self._open.get(session_id)
+            return session is not None and session.inferred and session.owner == owner
+
+        return self.returned.among(joinable)
 
     async def _open_or_create(self, session_id: str, group_id: str | None, owner: str | None) -> Session:
         """The open session `session_id`, created if it is new. Concurrent first requests that
@@ -223,14 +243,12 @@ class Sessions:
             candidates: list[Session] = []
             longest = 0
             for session in self._open.values():
-                segment = session.open_segment
                 if not session.inferred or session.owner != owner:
                     continue
-                if segment is None or len(segment.text) < longest:
-                    continue
-                if segment.turns and rendered.startswith(segment.text):
-                    if len(segment.text) > longest:
-                        candidates, longest = [], len(segment.text)
+                matched = continued_length(session.open_segment, rendered)
+                if matched is not None and matched >= longest:
+                    if matched > longest:
+                        candidates, longest = [], matched
                     candidates.append(session)
             if not candidates:
                 return None
@@ -308,10 +326,11 @@ class Sessions:
         *,
         sampling: Sampling | None = None,
         idempotency_key: str | None = None,
+        echo: bytes | None = None,
     ) -> None:
         """Persist a turn, then commit it to the session in memory. `sampling`: what vLLM
         sampled it with, recorded on the turn for the trainer. Its retries are known by
-        `request_hash` and `idempotency_key` (`Attempt`).
+        `request_hash` and `idempotency_key` (`Attempt`). `echo`: the reply's echo view.
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
@@ -326,6 +345,7 @@ class Sessions:
             reply,
             sampling=sampling,
             idempotency_key=idempotency_key,
+            echo=echo,
         )
         await self.store.record_turn(session.id, stored)
         turn = commit_to(
@@ -337,11 +357,13 @@ class Sessions:
             reply.completion_id,
             self.tokenizer,
             sampling,
+            echo,
         )
         turn.created = stored.created
         session.answered(request_hash, idempotency_key, reply)
         session.last_active = stored.created
         session.call_ids |= reply.call_ids
+        self.returned.add(session.id, reply.message)
         self._by_completion[reply.completion_id] = session.id
 
     async def close(
@@ -362,33 +384,10 @@ class Sessions:
             stored = await self.store.close_session(session.id, status, reward, info, now, trajectories)
             session.closed = True
             del self._open[session.id]
+            self.returned.forget(session.id)
             if session.api_key_hash:
                 self._by_key.pop(session.api_key_hash, None)
             for segment in session.segments:
                 for turn in segment.turns:
                     self._by_completion.pop(turn.completion_id, None)
         return stored
-
-
-@dataclass(slots=True)
-class OpenTurn:
-    """A turn in progress on its session, which stays locked while the turn is open
-    (`Sessions.turn`). Format-agnostic: a wire format brings the render and encodes the reply."""
-
-    sessions: Sessions
-    session: Session
-    attempt: Attempt
-
-    @property
-    def replay(self) -> RecordedReply | None:
-        """The reply to give again when this request retries one the session answered (its
-        client lost the answer); None: sample a new one (`Session.replay`)."""
-        return self.session.replay(self.attempt)
-
-    async def record(
-        self, plan: PromptPlan, generation: Generation, reply: RecordedReply, sampling: Sampling | None
-    ) -> None:
-        hashed, key = self.attempt.request_hash, self.attempt.idempotency_key
-        await self.sessions.record(
-            self.session, plan, generation, hashed, reply, sampling=sampling, idempotency_key=key
-        )

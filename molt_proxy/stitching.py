@@ -36,17 +36,32 @@ class PromptPlan:
     open segment) and the turn opens a new segment from the full render."""
 
 
+def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
+    """How many bytes of `rendered` the segment stands for, when `rendered` continues it: it
+    starts with the segment's exact bytes, or with its echo view (each reply as the proxy
+    returned it, `echo.py`), whose bytes map back to the same sampled ids. None: it does not."""
+    if segment is None or not segment.turns:
+        return None
+    if rendered.startswith(segment.text):
+        return len(segment.text)
+    if segment.echo is not None and rendered.startswith(segment.echo):
+        return len(segment.echo)
+    return None
+
+
 def plan_prompt(segment: Segment | None, rendered: str, tokenizer: TokenText) -> PromptPlan:
-    """Continue `segment` when the render starts with its exact bytes; otherwise start over.
+    """Continue `segment` when the render starts with its bytes (`continued_length`): the
+    prompt is the segment's ids and the rest of the render tokenized; otherwise start over.
 
     Bytes, not str: a segment may end inside a multi-byte character (a length cut), and
     decode would hide that. A suffix that does not start on a character boundary cannot be
     tokenized on its own, so it starts a new segment too.
     """
     full = rendered.encode()
-    if segment is not None and segment.turns and full.startswith(segment.text):
+    matched = continued_length(segment, full)
+    if segment is not None and matched is not None:
         try:
-            suffix = full[len(segment.text) :].decode()
+            suffix = full[matched:].decode()
         except UnicodeDecodeError:
             suffix = None
         if suffix is not None:
@@ -74,12 +89,13 @@ def commit_to(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
+    echo: bytes | None = None,
 ) -> Turn:
     """Append a turn to the segment `index` of `segments`: the last one when it has that
     index, else a new one opened after it. Serves a live turn and a replayed stored one alike."""
     if not segments or segments[-1].index != index:
         segments.append(Segment(index=index))
-    return _append(segments[-1], new_ids, new_text, generation, completion_id, tokenizer, sampling)
+    return _append(segments[-1], new_ids, new_text, generation, completion_id, tokenizer, sampling, echo)
 
 
 def commit_turn(
@@ -89,10 +105,11 @@ def commit_turn(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
+    echo: bytes | None = None,
 ) -> Turn:
     """Append the planned turn to `segment`: the open segment when `plan.continues`, else a
     fresh empty one."""
-    return _append(segment, plan.new_ids, plan.new_text, generation, completion_id, tokenizer, sampling)
+    return _append(segment, plan.new_ids, plan.new_text, generation, completion_id, tokenizer, sampling, echo)
 
 
 def _append(
@@ -103,9 +120,11 @@ def _append(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None,
+    echo: bytes | None,
 ) -> Turn:
     """The request's new prompt ids (mask 0), then the sampled ids (mask 1). `sampling` is
-    what vLLM sampled the ids with, kept on the turn."""
+    what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view where it
+    differs from the sampled bytes, extends the segment's echo bytes."""
     prompt_start = len(segment.token_ids)
     segment.token_ids += new_ids
     segment.loss_mask += [0] * len(new_ids)
@@ -116,7 +135,12 @@ def _append(
     segment.loss_mask += [1] * len(generation.token_ids)
     segment.logprobs += generation.logprobs
     segment.weight_versions += generation.weight_versions
-    segment.text += new_text + tokenizer.ids_bytes(generation.token_ids)
+    sampled = tokenizer.ids_bytes(generation.token_ids)
+    if echo is not None and segment.echo is None:
+        segment.echo = segment.text
+    if segment.echo is not None:
+        segment.echo += new_text + (sampled if echo is None else echo)
+    segment.text += new_text + sampled
     turn = Turn(
         completion_id=completion_id,
         prompt_start=prompt_start,

@@ -2,8 +2,9 @@
 
 Every turn and every reward is committed (`synchronous=FULL`) before the proxy answers, so a
 killed proxy loses nothing it acknowledged. A turn row holds only what the turn appended
-(its new prompt ids and its sampled ids, as packed arrays), so a write costs the turn, not
-the conversation; open sessions are rebuilt on restart by replaying their turns in order.
+(its new prompt ids and its sampled ids, as packed arrays) with its reply and the reply's echo
+view (`echo.py`), so a write costs the turn, not the conversation; open sessions are rebuilt
+on restart by replaying their turns in order.
 Finalized trajectories get a dense, increasing `seq`: the trainer's cursor.
 
 Each token is kept once. Closing a session writes its trajectories and, in the same
@@ -68,7 +69,8 @@ CREATE TABLE IF NOT EXISTS turns (
     reward REAL,
     sampling TEXT,
     idempotency_key TEXT,
-    constrained INTEGER
+    constrained INTEGER,
+    echo BLOB
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
 CREATE TABLE IF NOT EXISTS completions (
@@ -114,6 +116,7 @@ def _turn(
     sampling: str | None,
     idempotency_key: str | None,
     constrained: int | None,
+    echo: bytes | None,
 ) -> StoredTurn:
     generation = Generation(
         token_ids=_unpack("i", sampled),
@@ -133,6 +136,7 @@ def _turn(
         reward,
         Sampling.from_json(json.loads(sampling)) if sampling else None,
         idempotency_key,
+        echo,
     )
 
 
@@ -209,7 +213,7 @@ class Store:
         for sid, *turn in self.db.execute(
             "SELECT t.session_id, t.completion_id, t.segment, t.new_ids, t.sampled_ids, t.logprobs,"
             " t.versions, t.finish_reason, t.created, t.request_hash, t.reply, t.reward, t.sampling,"
-            " t.idempotency_key, t.constrained"
+            " t.idempotency_key, t.constrained, t.echo"
             " FROM turns t JOIN sessions s ON s.id = t.session_id WHERE s.status = ? ORDER BY t.position",
             (SessionStatus.OPEN.value,),
         ):
@@ -239,8 +243,9 @@ class Store:
         await self._run(
             self.db.execute,
             "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
-            " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key, constrained)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key, constrained,"
+            " echo)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.completion_id,
                 session_id,
@@ -256,6 +261,7 @@ class Store:
                 json.dumps(asdict(turn.sampling)) if turn.sampling else None,
                 turn.idempotency_key,
                 int(g.constrained),
+                turn.echo,
             ),
         )
 

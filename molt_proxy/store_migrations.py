@@ -30,10 +30,12 @@ def make_private(path: str) -> None:
 def add_turn_columns(db: sqlite3.Connection) -> None:
     """A store from before a turn column existed gets it, NULL on its rows: `sampling` (the
     trainer leaves the tokens of such turns out, as it cannot know their distribution),
-    `idempotency_key` (such a turn is replayed by its request hash only) and `constrained`
-    (such a turn was sampled unconstrained: the proxy refused constraints before)."""
+    `idempotency_key` (such a turn is replayed by its request hash only), `constrained` (such
+    a turn was sampled unconstrained: the proxy refused constraints before) and `echo` (the
+    reply's echo view: such a turn is continued by its sampled bytes only, as it was then)."""
     columns = [row[1] for row in db.execute("PRAGMA table_info(turns)")]
-    for name, kind in (("sampling", "TEXT"), ("idempotency_key", "TEXT"), ("constrained", "INTEGER")):
+    added = (("sampling", "TEXT"), ("idempotency_key", "TEXT"), ("constrained", "INTEGER"), ("echo", "BLOB"))
+    for name, kind in added:
         if name not in columns:
             db.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
 

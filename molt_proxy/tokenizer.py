@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import unicodedata
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -24,6 +25,17 @@ from molt_proxy.errors import BadRequest
 log = logging.getLogger(__name__)
 
 _PROBE_ARGUMENTS = '{"probe":1}'
+_PROBE_CONTENT = "probe-content"
+
+
+@dataclass(slots=True, frozen=True)
+class Closing:
+    """How the chat template closes an assistant message: `end`, the special token a sampled
+    stop id stands for (Qwen3's `<|im_end|>`, Llama-3.2's `<|eot_id|>`; empty if the closing
+    starts with none), then `after`, what the template writes past it (Qwen3's `\\n`)."""
+
+    end: str
+    after: str
 
 
 class Tokenizer:
@@ -58,9 +70,10 @@ class Tokenizer:
         """Whether the template prints a tool call's `arguments` string verbatim.
 
         vLLM turns `arguments` into a dict before rendering, so a template re-serialises it
-        (`tojson`) and `{"x":1}` as sampled comes back as `{"x": 1}`: the segment breaks.
-        Templates that print a string as is (Qwen3's) can take the exact sampled text, so
-        we keep the string there; others (Llama-3.2's `| tojson`) get the dict, as in vLLM.
+        (`tojson`) and `{"x":1}` as sampled comes back as `{"x": 1}`. Templates that print a
+        string as is (Qwen3's) take the exact sampled text, so we keep the string there and
+        an echo renders the sampled bytes; others (Llama-3.2's `| tojson`) get the dict, as in
+        vLLM, and an echo continues through the reply's echo view (`echo.py`).
         """
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": _PROBE_ARGUMENTS}}
         messages = [
@@ -78,6 +91,20 @@ class Tokenizer:
             )
             return False
         return _PROBE_ARGUMENTS in text
+
+    @cached_property
+    def closing(self) -> Closing | None:
+        """The template's closing of an assistant message (None: it does not render one)."""
+        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE_CONTENT}]
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template that cannot end on an assistant message
+            return None
+        if _PROBE_CONTENT not in text:
+            return None
+        tail = text[text.rindex(_PROBE_CONTENT) + len(_PROBE_CONTENT) :]
+        end = max((token for token in self._added if tail.startswith(token)), key=len, default="")
+        return Closing(end, tail[len(end) :]) if tail else None
 
     def _prepare(self, message: dict[str, Any]) -> dict[str, Any]:
         calls = message.get("tool_calls")
@@ -110,13 +137,16 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any],
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The full prompt text `F` for a request, generation prompt included."""
+        """The full prompt text `F` for a request, generation prompt included (without it: a
+        history, as `echo.echo_view` renders one)."""
         try:
             return self.hf.apply_chat_template(
                 [self._prepare(m) for m in messages],
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **template_kwargs,
             )

@@ -112,6 +112,10 @@ class Segment:
     turns: list[Turn] = field(default_factory=list)
     text: bytes = b""
     """The bytes `token_ids` decode to: the prefix a continuing request must start with."""
+    echo: bytes | None = None
+    """`text` with each turn's sampled bytes replaced by its echo view (the bytes the template
+    renders for the reply as returned, `echo.py`), once a turn has one; a request that starts
+    with it continues the segment too. None: no turn has one, it would equal `text`."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -296,3 +300,5 @@ class StoredTurn:
     """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""
     idempotency_key: str | None = None
     """The request's `Idempotency-Key`, if it sent one: a retry with the key gets `reply`."""
+    echo: bytes | None = None
+    """The reply's echo view where it differs from the sampled bytes (`echo.echo_view`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -43,11 +44,13 @@ def play(
     run: Run | None = None,
     replies: int | None = None,
     seed: int = 7,
+    echo: Callable[[Any], dict[str, Any]] = reply_as_message,
     **kwargs: Any,
 ) -> Run:
     """Send the conversation turn by turn, each time with the proxy's actual replies in the
-    history (as an agent would), and check every reply against the script. Stops after
-    `replies` more replies (or at the end); pass the returned run back to continue."""
+    history (as an agent would: `echo` makes the message it appends of a reply), and check
+    every reply against the script. Stops after `replies` more replies (or at the end); pass
+    the returned run back to continue."""
     run = run or Run()
     goal = None if replies is None else len(run.replies) + replies
     messages = conversation["messages"]
@@ -91,7 +94,7 @@ def play(
             assert got.content == scripted["content"]
         for theirs, ours in zip(expected_calls, got.tool_calls or [], strict=True):
             run.call_ids[theirs["id"]] = ours.id
-        run.history.append(reply_as_message(got))
+        run.history.append(echo(got))
         run.replies.append(reply)
     return run
 

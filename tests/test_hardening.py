@@ -253,11 +253,11 @@ def test_a_small_request_completes_while_a_large_one_renders_or_tokenizes(client
     held, release = threading.Event(), threading.Event()
     original = getattr(Tokenizer, stage)
 
-    def holding(self: Tokenizer, *args: Any) -> Any:
+    def holding(self: Tokenizer, *args: Any, **kwargs: Any) -> Any:
         if len(json.dumps(args)) > 70_000:
             held.set()
             release.wait(timeout=120)
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, stage, holding)
     large: dict[str, httpx.Response] = {}

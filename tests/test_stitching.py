@@ -96,6 +96,8 @@ def test_plan_without_commit_leaves_the_segment_unchanged(tokenizer):
 
 
 def test_a_segment_cut_inside_a_character_does_not_continue(tokenizer):
+    """By its sampled bytes alone; the reply's echo view continues it (tests/test_echo.py)."""
+
     def is_partial(token_id: int) -> bool:
         try:
             tokenizer.token_bytes(token_id).decode()

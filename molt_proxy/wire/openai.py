@@ -207,6 +207,7 @@ def sampling_fields(request: ChatCompletionRequest) -> dict[str, Any]:
         "seed": request.seed,
         "stop": request.stop or [],
         "stop_token_ids": request.stop_token_ids or [],
+        "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens,
         "logprobs": request.top_logprobs or 0,
