@@ -125,7 +125,10 @@ class Completions:
                 async for item in items:
                     if not started:
                         started = True
-                        yield Opened(completion_id, created, prepared.model_id, turn.session.id)
+                        prompt_tokens = len(prepared.plan.ids)
+                        yield Opened(
+                            completion_id, created, prepared.model_id, turn.session.id, prompt_tokens
+                        )
                     if isinstance(item, Generation):
                         generation = item
                         break
@@ -142,6 +145,14 @@ class Completions:
                 turn, prepared, generation, reply_stream.reply, completion_id, created, shown
             )
             yield Closed(reply, last)
+
+    async def count(self, caller: Caller, conversation: Conversation, body: bytes) -> int:
+        """How many prompt ids a turn for this request would send now: the same render and
+        stitching plan against the open segment it would continue, without sampling, recording
+        or creating a session (Anthropic's `count_tokens`)."""
+        rendered = await self._render(conversation, body)
+        segment = self.sessions.open_segment_for(caller, rendered.encode())
+        return len((await self._plan(segment, rendered, body)).ids)
 
     @asynccontextmanager
     async def _turn(
