@@ -326,7 +326,7 @@ def _parser_request(
     route builds it; the parsers read its tools, tool choice, template kwargs and stops."""
     fields: dict[str, Any] = {
         "model": request.model,
-        "messages": [dict(m) for m in messages],
+        "messages": [_with_string_arguments(m) for m in messages],
         "chat_template_kwargs": kwargs,
         "tools": tools,
         "tool_choice": (request.tool_choice.type if request.tool_choice else "auto") if tools else None,
@@ -345,6 +345,19 @@ def _parser_request(
         return ChatCompletionRequest.model_validate(fields)
     except (pydantic.ValidationError, ValueError, TypeError) as exc:
         raise BadRequest(f"invalid request: {type(exc).__name__}") from None
+
+
+def _with_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy for vLLM's model, which takes a call's arguments as a JSON string (as its own
+    Anthropic route writes them)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in calls
+    ]
+    return {**message, "tool_calls": calls}
 
 
 def metadata_session(metadata: Any) -> str | None:
