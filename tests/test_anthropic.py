@@ -5,19 +5,24 @@ real sampling (tool round trips, exact logprobs) is in `tests/test_anthropic_vll
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy.config import Settings
+from molt_proxy.errors import UpstreamError
 from molt_proxy.launcher import free_port
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
+from molt_proxy.wire.anthropic_reply import encode_message_stream
+from molt_proxy.wire.events import Delta, Opened, StreamEvent
 from tests.conftest import MAX_MODEL_LEN
 from tests.inprocess import REPLY_TEXT, inprocess_proxy, qwen3_tokenizer_dir, serve_app
 
@@ -285,3 +290,45 @@ def test_sdk_raises_the_matching_exceptions(proxy, tmp_path):
             529,
             "overloaded_error",
         )
+
+
+def events_of(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    lines = response.text.strip().split("\n\n")
+    return [
+        (e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+        for e in lines
+    ]
+
+
+def test_a_retried_stream_is_replayed_whole(proxy):
+    body = {"model": "m", "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "again"}]}
+    first = events_of(post(proxy, body, "/s/retried/v1/messages", headers={"x-stainless-retry-count": "0"}))
+    again = events_of(post(proxy, body, "/s/retried/v1/messages", headers={"x-stainless-retry-count": "1"}))
+    assert [name for name, _ in again] == [
+        "message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert again[0][1]["message"]["id"] == first[0][1]["message"]["id"]
+    assert again[3][1]["delta"] == {"type": "text_delta", "text": REPLY_TEXT}
+    assert again[-2][1] == first[-2][1]
+    assert len(httpx.get(proxy + "/v1/sessions/retried").json()["segments"][0]["turns"]) == 1
+
+
+def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
+    async def turn() -> AsyncGenerator[StreamEvent]:
+        yield Opened("chatcmpl-1", 0, "tiny", "s", 5)
+        yield Delta(DeltaMessage(content="Hel"))
+        raise UpstreamError("vLLM's stream ended without its final result")
+
+    async def collect() -> list[str]:
+        return [line async for line in encode_message_stream(turn(), lambda reply, session: None)]
+
+    lines = asyncio.run(collect())
+    assert [line.split("\n")[0] for line in lines] == [
+        "event: message_start", "event: content_block_start", "event: ping", "event: content_block_delta",
+        "event: error",
+    ]  # fmt: skip
+    assert json.loads(lines[-1].split("\n")[1].removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "vLLM's stream ended without its final result"},
+    }
