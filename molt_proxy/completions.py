@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
+from molt_proxy.auth import SESSION_KEY_PREFIX, may_use
 from molt_proxy.conversation import Conversation
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
@@ -151,7 +152,7 @@ class Completions:
         stitching plan against the open segment it would continue, without sampling, recording
         or creating a session (Anthropic's `count_tokens`)."""
         rendered = await self._render(conversation, body)
-        segment = self.sessions.open_segment_for(caller, rendered.encode())
+        segment = continued_segment(self.sessions, caller, rendered.encode())
         return len((await self._plan(segment, rendered, body)).ids)
 
     @asynccontextmanager
@@ -227,6 +228,30 @@ class Completions:
         if len(body) < OFF_LOOP_BYTES:
             return plan_prompt(segment, rendered, self.tokenizer)
         return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
+
+
+def continued_segment(sessions: Sessions, caller: Caller, rendered: bytes) -> Segment | None:
+    """The open segment a turn for `caller` would continue, read without waiting, locking or
+    creating anything (a token count): the named session's (or its key's), else the inferred
+    one of its owner that `rendered` continues furthest (as `Sessions.turn` picks). None: a
+    new segment."""
+    named = caller.session_id
+    if named is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+        keyed = sessions.by_key(caller.api_key)
+        named = keyed.id if keyed is not None else None
+    if named is not None:
+        session = sessions.find(named)
+        visible = session is not None and may_use(caller.principal, session.id, session.owner)
+        return session.open_segment if session is not None and visible else None
+    best: Segment | None = None
+    for session in sessions.open_sessions():
+        segment = session.open_segment
+        if not session.inferred or session.owner != caller.principal.owner or segment is None:
+            continue
+        longer = best is None or len(segment.text) > len(best.text)
+        if segment.turns and longer and rendered.startswith(segment.text):
+            best = segment
+    return best
 
 
 def shown_logprobs(asked: int | None, sampled: Generation | TokenDelta) -> list[TokenLogprobs] | None:

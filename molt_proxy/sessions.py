@@ -33,7 +33,6 @@ from molt_proxy.types import (
     Generation,
     RecordedReply,
     Sampling,
-    Segment,
     SessionStatus,
     StoredSession,
     StoredTurn,
@@ -247,26 +246,8 @@ class Sessions:
     def find(self, session_id: str) -> Session | None:
         return self._open.get(session_id)
 
-    def open_segment_for(self, caller: Caller, rendered: bytes) -> Segment | None:
-        """The open segment a turn for `caller` would continue, read without waiting, locking
-        or creating anything (a token count): the named session's (or its key's), else the
-        inferred one of its owner that `rendered` continues furthest. None: a new segment."""
-        session_id = caller.session_id
-        if session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
-            session_id = self._by_key.get(key_id(caller.api_key))
-        if session_id is not None:
-            session = self._open.get(session_id)
-            visible = session is not None and may_use(caller.principal, session.id, session.owner)
-            return session.open_segment if session is not None and visible else None
-        best: Segment | None = None
-        for session in self._open.values():
-            segment = session.open_segment
-            if not session.inferred or session.owner != caller.principal.owner or segment is None:
-                continue
-            longer = best is None or len(segment.text) > len(best.text)
-            if segment.turns and longer and rendered.startswith(segment.text):
-                best = segment
-        return best
+    def open_sessions(self) -> list[Session]:
+        return list(self._open.values())
 
     def get(self, session_id: str, principal: Principal = OPEN) -> Session:
         """An open session `principal` may see; any other id answers alike (no probing)."""
