@@ -332,3 +332,14 @@ def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
         "type": "error",
         "error": {"type": "api_error", "message": "vLLM's stream ended without its final result"},
     }
+
+
+def test_count_tokens_reads_the_inferred_session_without_joining_it(proxy):
+    sdk = client(proxy)
+    first = [{"role": "user", "content": "count me in"}]
+    opened = sdk.messages.create(model="m", max_tokens=9, messages=first)
+    history = [*first, {"role": "assistant", "content": REPLY_TEXT}, {"role": "user", "content": "more"}]
+    counted = sdk.messages.count_tokens(model="m", messages=history).input_tokens
+    assert len(httpx.get(f"{proxy}/v1/sessions/{opened.session_id}").json()["segments"][0]["turns"]) == 1
+    joined = sdk.messages.create(model="m", max_tokens=9, messages=history)
+    assert (joined.session_id, joined.usage.input_tokens) == (opened.session_id, counted)
