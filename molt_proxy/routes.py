@@ -24,6 +24,7 @@ from molt_proxy.errors import BadRequest
 from molt_proxy.proxy import Proxy
 from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import request_hash, unknown_session
+from molt_proxy.side import is_side, side_caller, side_info, side_rule, then
 from molt_proxy.types import RecordedReply, SessionStatus
 from molt_proxy.weights import check_version, check_weights_dir
 from molt_proxy.wire.anthropic import (
@@ -164,15 +165,23 @@ async def _messages(request: Request, path_session: str | None) -> dict[str, Any
     conversation = call.conversation
     caller = _caller(proxy, request, principal, conversation.session_id, path_session)
     attempt = _attempt(request, body)
+    rule = side_rule(conversation, caller, proxy.settings.side_requests)
+    caller = side_caller(caller) if rule is not None else caller
 
     def stopped_by(reply: RecordedReply, session_id: str) -> str | None:
         return _stop_sequence(proxy, call.stop_sequences, reply, session_id)
 
+    async def close_side() -> None:  # a side request's session ends with its turn (`side.py`)
+        if rule is not None and caller.session_id is not None:
+            await proxy.close_session(caller.session_id, None, side_info(rule), SessionStatus.UNREWARDED)
+
     if not call.stream:
         answer = await proxy.completions.complete(caller, conversation, body, attempt)
-        return encode_message(answer.reply, answer.session_id, stopped_by(answer.reply, answer.session_id))
+        reply = encode_message(answer.reply, answer.session_id, stopped_by(answer.reply, answer.session_id))
+        await close_side()
+        return reply
     turn = proxy.completions.stream(caller, conversation, body, attempt)
-    events = encode_message_stream(turn, stopped_by)
+    events = then(encode_message_stream(turn, stopped_by), close_side)
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 
@@ -312,13 +321,15 @@ async def trajectories(
 
 
 async def _follow(proxy: Proxy, after: int, limit: int) -> AsyncIterator[str]:
-    """Every trajectory after `after`, then each new one as its session closes, for ever."""
+    """Every trajectory after `after`, then each new one as its session closes, for ever; side
+    requests' trajectories are skipped (the trainer reads this stream)."""
     cursor = after
     while True:
         batch = await proxy.store.trajectories_after(cursor, limit)
         for trajectory in batch:
             cursor = trajectory["seq"]
-            yield trajectory_event(trajectory)
+            if not is_side(trajectory):  # kept out of training (`side.py`)
+                yield trajectory_event(trajectory)
         if batch:
             continue
         async with proxy.finalized:

@@ -16,9 +16,11 @@ import pytest
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
+from molt_proxy.cli import parser
 from molt_proxy.config import Settings
 from molt_proxy.errors import UpstreamError
 from molt_proxy.launcher import free_port
+from molt_proxy.side import DEFAULT_SIDE_REQUESTS
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
 from molt_proxy.wire.anthropic_reply import encode_message_stream
@@ -343,3 +345,45 @@ def test_count_tokens_reads_the_inferred_session_without_joining_it(proxy):
     assert len(httpx.get(f"{proxy}/v1/sessions/{opened.session_id}").json()["segments"][0]["turns"]) == 1
     joined = sdk.messages.create(model="m", max_tokens=9, messages=history)
     assert (joined.session_id, joined.usage.input_tokens) == (opened.session_id, counted)
+
+
+TITLE_SYSTEM = "Generate a concise, sentence-case title (3-7 words) for this conversation. Reply in JSON."
+
+
+def test_a_title_side_request_is_served_recorded_and_kept_out_of_the_trainers_stream(proxy):
+    sdk = client(proxy)
+    metadata = {"user_id": json.dumps({"device_id": "d", "session_id": "cc-side"})}
+    prompt = [{"role": "user", "content": "fix the bug"}]
+    title = sdk.messages.create(
+        model="m", max_tokens=9, system=TITLE_SYSTEM, messages=prompt, metadata=metadata
+    )
+    assert title.content[0].text == REPLY_TEXT and title.session_id.startswith("side-")
+    streamed = post(
+        proxy, {"model": "m", "max_tokens": 9, "system": TITLE_SYSTEM, "messages": prompt, "stream": True}
+    )
+    side_ids = {title.session_id, events_of(streamed)[0][1]["message"]["session_id"]}
+    tools = [ANTHROPIC_WEATHER_TOOL]
+    turn = sdk.messages.create(
+        model="m", max_tokens=9, system="You code.", tools=tools, messages=prompt, metadata=metadata
+    )
+    assert turn.session_id == "cc-side"
+    for side_id in side_ids:  # closed with their turn
+        assert httpx.get(f"{proxy}/v1/sessions/{side_id}").status_code == 404
+    httpx.post(proxy + "/v1/rewards", json={"session_id": "cc-side", "reward": 1.0}).raise_for_status()
+    listed = httpx.get(proxy + "/v1/trajectories", params={"limit": 10_000}).json()["data"]
+    side = [t for t in listed if t["session_id"] in side_ids]
+    assert [(t["reward"], t["status"], t["info"]["side"]) for t in side] == [(None, "unrewarded", True)] * 2
+    [main] = [t for t in listed if t["session_id"] == "cc-side"]
+    assert main["num_segments"] == 1
+    after = min(t["seq"] for t in side) - 1
+    headers = {"accept": "text/event-stream"}
+    with httpx.stream("GET", proxy + "/v1/trajectories", params={"after": after}, headers=headers) as feed:
+        first = next(line for line in feed.iter_lines() if line.startswith("data: "))
+    assert json.loads(first.removeprefix("data: "))["session_id"] not in side_ids
+
+
+def test_side_request_rules_are_configurable():
+    assert parser().parse_args(["serve", "--model", "m"]).side_request == list(DEFAULT_SIDE_REQUESTS)
+    assert parser().parse_args(["serve", "--model", "m", "--side-request"]).side_request == []
+    with pytest.raises(ValueError, match="not a regular expression"):
+        Settings(model="m", side_requests=["("])
