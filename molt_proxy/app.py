@@ -1,5 +1,6 @@
 """The FastAPI app: the proxy (`proxy.py`) and its routes (`routes.py`) put together, the
-request body limit, and the single error → OpenAI body mapping."""
+request body limit, and the single error → body mapping: OpenAI's, or Anthropic's on the
+Anthropic routes (`/v1/messages...`), where Anthropic's clients read errors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +22,7 @@ from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, 
 from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision
 from molt_proxy.routes import router
+from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, PayloadTooLarge(f"the request body is over {self.limit} bytes"))
+            error = PayloadTooLarge(f"the request body is over {self.limit} bytes")
+            return await _send_error(send, error, scope["path"])
         seen = 0
 
         async def limited() -> Message:
@@ -49,10 +53,11 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-async def _send_error(send: Send, error: MoltError) -> None:
-    payload = json.dumps(error.body()).encode()
+async def _send_error(send: Send, error: MoltError, path: str) -> None:
+    status, body = _error(error, path)
+    payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -73,27 +78,40 @@ def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None
     return app
 
 
+def _error(error: MoltError, path: str) -> tuple[int, dict[str, Any]]:
+    """The status and body of an error on `path`: Anthropic's shape on its routes."""
+    if "/v1/messages" in path:
+        return error.anthropic_status or error.status, anthropic_error_body(error)
+    return error.status, error.body()
+
+
+def _respond(request: Request, error: MoltError, headers: dict[str, str] | None = None) -> JSONResponse:
+    status, body = _error(error, request.url.path)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MoltError)
     async def molt_error(request: Request, exc: MoltError) -> JSONResponse:
         headers = None
         if isinstance(exc, UpstreamUnavailable):  # no replica up: the next probe may bring one back
             headers = {"Retry-After": str(int(request.app.state.proxy.settings.health_interval_s) + 1)}
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return _respond(request, exc, headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = exc.errors()[0]
         param = ".".join(str(p) for p in error["loc"][1:]) or None
-        return JSONResponse(
-            BadRequest(f"invalid '{param}': {error['msg']}", param=param).body(), status_code=400
-        )
+        return _respond(request, BadRequest(f"invalid '{param}': {error['msg']}", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404 and request.scope.get("endpoint") is None:  # no route matched
-            return JSONResponse(_unserved(request).body(), status_code=404)
+            return _respond(request, _unserved(request))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if "/v1/messages" in request.url.path:
+            error = {"type": "error", "error": {"type": kind, "message": str(exc.detail)}}
+            return JSONResponse(error, status_code=exc.status_code)
         body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code)
 
@@ -102,7 +120,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # A bug, not the caller's fault: the details go to the log, never to the client (an
         # exception's repr may quote a whole prompt).
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(MoltError("internal error").body(), status_code=500)
+        return _respond(request, MoltError("internal error"))
 
 
 def _unserved(request: Request) -> NotFound:

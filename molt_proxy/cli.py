@@ -40,6 +40,7 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         verify_prompt_ids=args.verify_prompt_ids,
         session_ttl_s=args.session_ttl,
         sampling=args.sampling,
+        side_requests=list(args.side_request),
     )
 
 
@@ -243,6 +244,15 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE,...",
         help="pin sampling fields for every turn, whatever agents send (e.g. temperature=1,top_p=1): "
         "on-policy samples for training; each turn's record lists the fields pinned",
+    )
+    serve.add_argument(
+        "--side-request",
+        nargs="*",
+        default=default(Settings, "side_requests"),
+        metavar="REGEX",
+        help="a request without tools whose system prompt matches one of these is a side request:"
+        " served and recorded, kept out of the trainer's stream (default: Claude Code's title"
+        " request; with no value: none)",
     )
     serve.add_argument(
         "--verify-prompt-ids",

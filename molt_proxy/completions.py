@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
+from molt_proxy.auth import SESSION_KEY_PREFIX, may_use
 from molt_proxy.conversation import Conversation
 from molt_proxy.echo import Find, Rendered, echo_view, restore
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
@@ -137,7 +138,10 @@ class Completions:
                 async for item in items:
                     if not started:
                         started = True
-                        yield Opened(completion_id, created, prepared.model_id, turn.session.id)
+                        prompt_tokens = len(prepared.plan.ids)
+                        yield Opened(
+                            completion_id, created, prepared.model_id, turn.session.id, prompt_tokens
+                        )
                     if isinstance(item, Generation):
                         generation = item
                         break
@@ -154,6 +158,14 @@ class Completions:
                 turn, prepared, generation, reply_stream.reply, completion_id, created, shown
             )
             yield Closed(reply, last)
+
+    async def count(self, caller: Caller, conversation: Conversation, body: bytes) -> int:
+        """How many prompt ids a turn for this request would send now: the same render and
+        stitching plan against the open segment it would continue, without sampling, recording
+        or creating a session (Anthropic's `count_tokens`)."""
+        rendered = await self._render(conversation, body)
+        segment = continued_segment(self.sessions, caller, rendered.encode())
+        return len((await self._plan(segment, rendered, body)).ids)
 
     @asynccontextmanager
     async def _turn(
@@ -254,6 +266,30 @@ class Completions:
         if len(body) < OFF_LOOP_BYTES:
             return plan_prompt(segment, rendered, self.tokenizer)
         return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
+
+
+def continued_segment(sessions: Sessions, caller: Caller, rendered: bytes) -> Segment | None:
+    """The open segment a turn for `caller` would continue, read without waiting, locking or
+    creating anything (a token count): the named session's (or its key's), else the inferred
+    one of its owner that `rendered` continues furthest (as `Sessions.turn` picks). None: a
+    new segment."""
+    named = caller.session_id
+    if named is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+        keyed = sessions.by_key(caller.api_key)
+        named = keyed.id if keyed is not None else None
+    if named is not None:
+        session = sessions.find(named)
+        visible = session is not None and may_use(caller.principal, session.id, session.owner)
+        return session.open_segment if session is not None and visible else None
+    best: Segment | None = None
+    for session in sessions.open_sessions():
+        segment = session.open_segment
+        if not session.inferred or session.owner != caller.principal.owner or segment is None:
+            continue
+        longer = best is None or len(segment.text) > len(best.text)
+        if segment.turns and longer and rendered.startswith(segment.text):
+            best = segment
+    return best
 
 
 def shown_logprobs(asked: int | None, sampled: Generation | TokenDelta) -> list[TokenLogprobs] | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_proxy.sampling import check_pins
+from molt_proxy.side import DEFAULT_SIDE_REQUESTS, check_rules
 
 
 @dataclass(slots=True)
@@ -46,6 +47,10 @@ class Settings:
     upstream_timeout_s: float = 600.0
     session_ttl_s: float = 3600.0
     """A session with no turn for this long is closed unrewarded."""
+    side_requests: list[str] = field(default_factory=lambda: list(DEFAULT_SIDE_REQUESTS))
+    """Regular expressions: a request without tools whose system prompt matches one is a side
+    request, served but kept out of training (`molt_proxy.side`; `--side-request`, repeatable;
+    given with no value: none). Default: Claude Code's title request."""
     sampling: dict[str, float | int] = field(default_factory=dict)
     """Sampling fields pinned for every turn, whatever agents send (`--sampling
     temperature=1,top_p=1`; `molt_proxy.sampling.PINNABLE` lists the fields). Each turn's
@@ -74,6 +79,7 @@ class Settings:
         if self.agent_keys and self.admin_key is None:
             raise ValueError("agent keys need an admin key: without one every route is open")
         check_pins(self.sampling)
+        check_rules(self.side_requests)
         self.db_path = Path(self.db_path)
 
 

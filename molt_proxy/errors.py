@@ -11,7 +11,10 @@
     └── UpstreamError             502 upstream_error
         └── UpstreamUnavailable   503 service_unavailable
 
-Raise these anywhere; `app.py` maps them to the OpenAI error body once.
+Raise these anywhere; `app.py` maps them to the OpenAI error body once, or to Anthropic's
+(`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes: each error also
+knows its Anthropic type (`anthropic_type`), and an unreachable vLLM answers 529
+`overloaded_error` there, the status Anthropic's clients retry on.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ class MoltError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
+    anthropic_type = "api_error"
+    anthropic_status: int | None = None
+    """The status on the Anthropic routes, where it differs from `status`."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -38,6 +44,7 @@ class MoltError(Exception):
 class BadRequest(MoltError):
     status = 400
     type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
 
 
 class ContextLengthExceeded(BadRequest):
@@ -47,27 +54,33 @@ class ContextLengthExceeded(BadRequest):
 class Unauthorized(MoltError):
     status = 401
     type = "authentication_error"
+    anthropic_type = "authentication_error"
     code = "invalid_api_key"
 
 
 class Forbidden(MoltError):
     status = 403
     type = "permission_error"
+    anthropic_type = "permission_error"
 
 
 class NotFound(MoltError):
     status = 404
     type = "not_found_error"
+    anthropic_type = "not_found_error"
 
 
 class Conflict(MoltError):
     status = 409
     type = "conflict_error"
+    anthropic_type = "invalid_request_error"
+    anthropic_status = 400  # Anthropic's clients retry a 409; a closed session stays closed
 
 
 class PayloadTooLarge(MoltError):
     status = 413
     type = "invalid_request_error"
+    anthropic_type = "request_too_large"
     code = "request_too_large"
 
 
@@ -79,3 +92,5 @@ class UpstreamError(MoltError):
 class UpstreamUnavailable(UpstreamError):
     status = 503
     type = "service_unavailable"
+    anthropic_type = "overloaded_error"
+    anthropic_status = 529

@@ -24,8 +24,17 @@ from molt_proxy.errors import BadRequest
 from molt_proxy.proxy import Proxy
 from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import request_hash, unknown_session
-from molt_proxy.types import SessionStatus
+from molt_proxy.side import is_side, side_caller, side_info, side_rule, then
+from molt_proxy.types import RecordedReply, SessionStatus
 from molt_proxy.weights import check_version, check_weights_dir
+from molt_proxy.wire.anthropic import (
+    COUNT_SCHEMA,
+    MESSAGES_SCHEMA,
+    MessagesCall,
+    decode_messages_request,
+    recorded_completion_id,
+)
+from molt_proxy.wire.anthropic_reply import encode_message, encode_message_stream
 from molt_proxy.wire.control import (
     CHAT_SCHEMA,
     SESSION_SCHEMA,
@@ -138,6 +147,100 @@ async def session_chat_completions(session_id: str, request: Request) -> dict[st
     return await _chat(request, session_id)
 
 
+# -- Anthropic messages ----------------------------------------------------------------------
+
+
+async def _messages_call(body: bytes, count: bool) -> MessagesCall:
+    if len(body) < OFF_LOOP_BYTES:
+        return decode_messages_request(body, count=count)
+    return await asyncio.to_thread(decode_messages_request, body, count=count)
+
+
+async def _messages(request: Request, path_session: str | None) -> dict[str, Any] | StreamingResponse:
+    """`POST /v1/messages`: the same turn as a chat completion, in Anthropic's shapes."""
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    body = await request.body()
+    call = await _messages_call(body, count=False)
+    conversation = call.conversation
+    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    attempt = _attempt(request, body)
+    rule = side_rule(conversation, caller, proxy.settings.side_requests)
+    caller = side_caller(caller) if rule is not None else caller
+
+    def stopped_by(reply: RecordedReply, session_id: str) -> str | None:
+        return _stop_sequence(proxy, call.stop_sequences, reply, session_id)
+
+    async def close_side() -> None:  # a side request's session ends with its turn (`side.py`)
+        if rule is not None and caller.session_id is not None:
+            await proxy.close_session(caller.session_id, None, side_info(rule), SessionStatus.UNREWARDED)
+
+    if not call.stream:
+        answer = await proxy.completions.complete(caller, conversation, body, attempt)
+        reply = encode_message(answer.reply, answer.session_id, stopped_by(answer.reply, answer.session_id))
+        await close_side()
+        return reply
+    turn = proxy.completions.stream(caller, conversation, body, attempt)
+    events = then(encode_message_stream(turn, stopped_by), close_side)
+    first = await anext(events)  # errors before vLLM answers become plain error responses
+    return EventStream(first, events)
+
+
+def _stop_sequence(proxy: Proxy, stops: list[str], reply: RecordedReply, session_id: str) -> str | None:
+    """The requested stop string that ended `reply`, read from the ids its turn recorded: the
+    turn stopped without the model's own stop id, on the first stop string in its text."""
+    session = proxy.sessions.find(session_id)
+    if not stops or reply.finish_reason != "stop" or session is None:
+        return None
+    for segment in session.segments:
+        for turn in segment.turns:
+            if turn.completion_id == reply.completion_id:
+                ids = segment.token_ids[turn.completion_start : turn.completion_end]
+                if ids and ids[-1] in proxy.completions.parser.stop_ids:
+                    return None
+                text = proxy.tokenizer.ids_bytes(ids).decode(errors="replace")
+                found = [(text.find(stop), stop) for stop in stops if stop in text]
+                return min(found)[1] if found else None
+    return None
+
+
+async def _count_tokens(request: Request, path_session: str | None) -> dict[str, Any]:
+    """`POST /v1/messages/count_tokens`: the exact number of prompt ids the proxy would send."""
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    body = await request.body()
+    conversation = (await _messages_call(body, count=True)).conversation
+    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    return {"input_tokens": await proxy.completions.count(caller, conversation, body)}
+
+
+@router.post("/v1/messages", response_model=None, openapi_extra=request_body(MESSAGES_SCHEMA))
+async def messages(request: Request) -> dict[str, Any] | StreamingResponse:
+    return await _messages(request, None)
+
+
+@router.post("/s/{session_id}/v1/messages", response_model=None, openapi_extra=request_body(MESSAGES_SCHEMA))
+async def session_messages(session_id: str, request: Request) -> dict[str, Any] | StreamingResponse:
+    return await _messages(request, session_id)
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(COUNT_SCHEMA))
+async def count_tokens(request: Request) -> dict[str, Any]:
+    return await _count_tokens(request, None)
+
+
+@router.post("/s/{session_id}/v1/messages/count_tokens", openapi_extra=request_body(COUNT_SCHEMA))
+async def session_count_tokens(session_id: str, request: Request) -> dict[str, Any]:
+    return await _count_tokens(request, session_id)
+
+
+@router.get("/", include_in_schema=False)
+@router.head("/", include_in_schema=False)
+async def root() -> dict[str, Any]:
+    """Claude Code probes its base URL before its first request."""
+    return {"status": "ok", "service": "molt-proxy"}
+
+
 @router.get("/v1/models")
 @router.get("/s/{session_id}/v1/models")
 async def models(request: Request) -> dict[str, Any]:
@@ -179,7 +282,8 @@ async def post_reward(request: Request) -> dict[str, Any]:
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CHAT)
     body = RewardBody.decode(await request.body())
-    session_id, completion_id = body.session_id, body.completion_id
+    session_id = body.session_id
+    completion_id = None if body.completion_id is None else recorded_completion_id(body.completion_id)
     if completion_id is not None:
         session_id = await proxy.sessions.of_completion(completion_id, principal)
     elif not await proxy.sessions.visible(session_id, principal):
@@ -217,13 +321,15 @@ async def trajectories(
 
 
 async def _follow(proxy: Proxy, after: int, limit: int) -> AsyncIterator[str]:
-    """Every trajectory after `after`, then each new one as its session closes, for ever."""
+    """Every trajectory after `after`, then each new one as its session closes, for ever; side
+    requests' trajectories are skipped (the trainer reads this stream)."""
     cursor = after
     while True:
         batch = await proxy.store.trajectories_after(cursor, limit)
         for trajectory in batch:
             cursor = trajectory["seq"]
-            yield trajectory_event(trajectory)
+            if not is_side(trajectory):  # kept out of training (`side.py`)
+                yield trajectory_event(trajectory)
         if batch:
             continue
         async with proxy.finalized:

@@ -264,6 +264,9 @@ class Sessions:
     def find(self, session_id: str) -> Session | None:
         return self._open.get(session_id)
 
+    def open_sessions(self) -> list[Session]:
+        return list(self._open.values())
+
     def get(self, session_id: str, principal: Principal = OPEN) -> Session:
         """An open session `principal` may see; any other id answers alike (no probing)."""
         session = self._open.get(session_id)

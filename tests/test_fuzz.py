@@ -1,5 +1,5 @@
 """Schemathesis against the served OpenAPI: no input gives a 5xx, every 4xx has the OpenAI
-error body (issue 9).
+error body (issue 9), or Anthropic's on its routes (issue 12).
 
 The POST routes declare their request-body schemas (chat, sessions, rewards, weights), so
 schemathesis generates bodies that follow them and, in its negative mode, bodies that break
@@ -22,6 +22,9 @@ from schemathesis import GenerationMode
 from tests.inprocess import inprocess_proxy
 
 EXAMPLES = 30
+ANTHROPIC_EXAMPLES = 15
+"""The Anthropic routes (four operations over one decoder, whose rules `tests/test_anthropic.py`
+covers case by case) get fewer, to keep this test's time small."""
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,10 @@ def proxy_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/s/{session_id}/v1/chat/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/s/{session_id}/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/s/{session_id}/v1/messages/count_tokens"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions/{session_id}"),
     ("POST", "/v1/rewards"),
@@ -68,11 +75,16 @@ def test_every_served_operation_is_fuzzed_and_every_post_declares_its_body(serve
         assert breakable == ((method, path) in BREAKABLE), (method, path)
 
 
-def openai_error_body(response: schemathesis.Response) -> None:
-    """The check: a 4xx carries `{"error": {"message", "type", "param", "code"}}`."""
+def openai_error_body(response: schemathesis.Response, path: str) -> None:
+    """The check: a 4xx carries `{"error": {"message", "type", "param", "code"}}`, or on the
+    Anthropic routes Anthropic's `{"type": "error", "error": {"type", "message"}}`."""
     if not 400 <= response.status_code < 500:
         return
     body = response.json()
+    if "/v1/messages" in path:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["message"] and body["error"]["type"], body
+        return
     assert set(body) == {"error"}, body
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
@@ -86,11 +98,13 @@ def openai_error_body(response: schemathesis.Response) -> None:
 def test_no_input_gives_a_5xx_and_every_4xx_has_the_openai_error_body(served_openapi, method, path, mode):
     operation = served_openapi[path][method]
 
+    examples = ANTHROPIC_EXAMPLES if "/v1/messages" in path else EXAMPLES
+
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def fuzz(case: schemathesis.Case) -> None:
         response = case.call(timeout=60)
         assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.text[:500]}"
-        openai_error_body(response)
+        openai_error_body(response, path)
 
     fuzz()

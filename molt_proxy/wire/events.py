@@ -34,6 +34,8 @@ class Opened:
     """Unix seconds, as every event of the reply says."""
     model: str
     session_id: str
+    prompt_tokens: int = 0
+    """The prompt's length in ids (Anthropic's first event reports it)."""
 
 
 @dataclass(slots=True, frozen=True)

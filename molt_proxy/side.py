@@ -1,0 +1,74 @@
+"""Side requests: what a harness asks the model besides its episode (Claude Code's title for
+the conversation, sent before the first turn), served and recorded like any request but kept
+out of training (DESIGN §3).
+
+The rule is configurable (`Settings.side_requests`, `--side-request REGEX`): a request that
+declares no tools and whose system prompt matches one of the regular expressions is a side
+request. By default that is Claude Code's title request, whose system text asks for "a concise,
+sentence-case title". A side request
+
+- runs in a session of its own (`side-<hex>`), whatever session it names (Claude Code's
+  `metadata.user_id` names the episode's), so the episode's segments never see it;
+- closes that session as soon as its turn is recorded: unrewarded, its trajectory marked
+  `info.side = true` with the rule that matched;
+- is left out of the trainer's stream (`GET /v1/trajectories` as server-sent events); the
+  store, the paged `GET /v1/trajectories` and `molt-proxy export` keep it, marked.
+
+A session key's request cannot leave its session, so it is never taken for a side request.
+Only the Anthropic route applies the rule so far.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from molt_proxy.auth import Role
+from molt_proxy.conversation import Conversation
+from molt_proxy.session import Caller
+
+DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title",)
+
+
+def check_rules(rules: Sequence[str]) -> None:
+    for rule in rules:
+        try:
+            re.compile(rule)
+        except re.error as exc:
+            raise ValueError(f"--side-request {rule!r} is not a regular expression: {exc}") from None
+
+
+def side_rule(conversation: Conversation, caller: Caller, rules: Sequence[str]) -> str | None:
+    """The rule that makes this request a side request, if one does."""
+    if conversation.tools or caller.principal.role is Role.SESSION:
+        return None
+    system = "\n".join(
+        m["content"] for m in conversation.messages if m["role"] == "system" and isinstance(m["content"], str)
+    )
+    return next((rule for rule in rules if re.search(rule, system)), None)
+
+
+def side_caller(caller: Caller) -> Caller:
+    """The caller in a new session of its own, with no group (it groups by its prompt)."""
+    return Caller(f"side-{uuid.uuid4().hex}", None, None, caller.principal)
+
+
+def side_info(rule: str) -> dict[str, Any]:
+    return {"side": True, "rule": rule}
+
+
+def is_side(trajectory: dict[str, Any]) -> bool:
+    info = trajectory.get("info")
+    return isinstance(info, dict) and info.get("side") is True
+
+
+async def then(events: AsyncGenerator[str], done: Callable[[], Awaitable[object]]) -> AsyncGenerator[str]:
+    """`events`, then `done()` once they have all gone out (not if the client left first:
+    then nothing was recorded)."""
+    async with aclosing(events):
+        async for line in events:
+            yield line
+    await done()

@@ -1,0 +1,237 @@
+"""Anthropic Messages on the wire, the reply side: a turn's `RecordedReply` as a `message`, or
+its stream events as Anthropic's server-sent events, and errors in Anthropic's shape.
+
+Content blocks come in sampled order: `thinking` (with a `signature` the proxy mints from the
+completion id, so an echoed block names the turn it came from), `text`, then one `tool_use`
+per call, its `input` parsed from the exact JSON the model sampled. Streaming is real: each
+event goes out as vLLM's parsers release text from the sampled ids —
+
+    message_start, (content_block_start, [ping], content_block_delta*, content_block_stop)*,
+    message_delta (stop reason, usage), message_stop
+
+— and `input_json_delta` pieces add up to the call's sampled arguments. A failure after the
+first event is an `error` event (the status line has gone out). `stop_reason` is Anthropic's:
+`max_tokens` for a length cut, `tool_use` when the reply calls tools, `stop_sequence` when a
+requested stop string ended it, else `end_turn`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+from molt_proxy.errors import MoltError
+from molt_proxy.types import ParsedReply, RecordedReply
+from molt_proxy.wire.anthropic import message_id, tool_use_id
+from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
+
+log = logging.getLogger(__name__)
+
+StopSequence = Callable[[RecordedReply, str], str | None]
+"""(reply, session id) → the requested stop string that ended the reply, if one did."""
+
+
+def thinking_signature(completion_id: str) -> str:
+    """The signature of a reply's thinking block: it names the completion it came from."""
+    return f"molt:{completion_id}"
+
+
+def event(name: str, payload: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n"
+
+
+def stop_reason(reply: RecordedReply, stop_sequence: str | None) -> str:
+    if reply.finish_reason == "length":
+        return "max_tokens"
+    if reply.message.tool_calls:
+        return "tool_use"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def _input(arguments: Any) -> dict[str, Any]:
+    """A call's `input`: its sampled JSON text parsed (key order kept), or the dict it is."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(message: ParsedReply, completion_id: str) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        signature = thinking_signature(completion_id)
+        blocks.append({"type": "thinking", "thinking": message.reasoning_content, "signature": signature})
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
+    for call in message.tool_calls:
+        function = call["function"]
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call["id"]),
+                "name": function["name"],
+                "input": _input(function.get("arguments")),
+            }
+        )
+    return blocks
+
+
+def encode_message(reply: RecordedReply, session_id: str, stop_sequence: str | None) -> dict[str, Any]:
+    """The `message` body of a turn (or of its replay)."""
+    return {
+        "id": message_id(reply.completion_id),
+        "type": "message",
+        "role": "assistant",
+        "model": reply.model,
+        "content": content_blocks(reply.message, reply.completion_id),
+        "stop_reason": stop_reason(reply, stop_sequence),
+        "stop_sequence": stop_sequence,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens},
+        "session_id": session_id,
+    }
+
+
+def error_body(error: MoltError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error.anthropic_type, "message": error.message}}
+
+
+@dataclass(slots=True)
+class Blocks:
+    """The content blocks of one streamed reply: which is open, and the events that open,
+    extend and close them."""
+
+    completion_id: str
+    index: int = -1
+    kind: str | None = None
+    """The open block's type (thinking, text, tool_use); None: none open."""
+    call: int | None = None
+    """The open tool_use block's call index (vLLM's)."""
+    pinged: bool = False
+    out: list[str] = field(default_factory=list)
+
+    def _open(self, block: dict[str, Any], call: int | None = None) -> None:
+        self.close()
+        self.index += 1
+        self.kind, self.call = block["type"], call
+        self.out.append(event("content_block_start", {"index": self.index, "content_block": block}))
+        if not self.pinged:
+            self.pinged = True
+            self.out.append(event("ping", {}))
+
+    def _delta(self, delta: dict[str, Any]) -> None:
+        self.out.append(event("content_block_delta", {"index": self.index, "delta": delta}))
+
+    def close(self) -> None:
+        if self.kind == "thinking":
+            self._delta({"type": "signature_delta", "signature": thinking_signature(self.completion_id)})
+        if self.kind is not None:
+            self.out.append(event("content_block_stop", {"index": self.index}))
+        self.kind = None
+
+    def feed(self, delta: DeltaMessage) -> list[str]:
+        if delta.reasoning:
+            if self.kind != "thinking":
+                self._open({"type": "thinking", "thinking": "", "signature": ""})
+            self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.content:
+            if self.kind != "text":
+                self._open({"type": "text", "text": ""})
+            self._delta({"type": "text_delta", "text": delta.content})
+        for call in delta.tool_calls:
+            function = call.function
+            if self.kind != "tool_use" or self.call != call.index:
+                name = (function.name if function is not None else None) or ""
+                block = {"type": "tool_use", "id": tool_use_id(call.id or ""), "name": name, "input": {}}
+                self._open(block, call.index)
+            if function is not None and function.arguments:
+                self._delta({"type": "input_json_delta", "partial_json": function.arguments})
+        out, self.out = self.out, []
+        return out
+
+    def whole(self, message: ParsedReply) -> list[str]:
+        """A recorded reply's blocks, each in one delta (replaying a retried request)."""
+        for block in content_blocks(message, self.completion_id):
+            if block["type"] == "thinking":
+                self._open({**block, "thinking": "", "signature": ""})
+                self._delta({"type": "thinking_delta", "thinking": block["thinking"]})
+            elif block["type"] == "text":
+                self._open({**block, "text": ""})
+                self._delta({"type": "text_delta", "text": block["text"]})
+            else:
+                self._open({**block, "input": {}})
+                self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        self.close()
+        out, self.out = self.out, []
+        return out
+
+
+def _start(completion_id: str, model: str, input_tokens: int, session_id: str) -> str:
+    message = {
+        "id": message_id(completion_id),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+        "session_id": session_id,
+    }
+    return event("message_start", {"message": message})
+
+
+def _end(reply: RecordedReply, stop_sequence: str | None) -> list[str]:
+    delta = {"stop_reason": stop_reason(reply, stop_sequence), "stop_sequence": stop_sequence}
+    usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}
+    return [event("message_delta", {"delta": delta, "usage": usage}), event("message_stop", {})]
+
+
+async def encode_message_stream(
+    events: AsyncGenerator[StreamEvent], stopped_by: StopSequence
+) -> AsyncIterator[str]:
+    """A streamed turn as Anthropic's events. An error before the first event propagates (the
+    route answers it as a plain error response); after it, it ends the stream as an `error`
+    event. Closing this closes `events`, and with them the turn."""
+    blocks: Blocks | None = None
+    session_id = ""
+    started = False
+    async with aclosing(events):
+        try:
+            async for item in events:
+                started = True
+                if isinstance(item, Replayed):
+                    replayed = Blocks(item.reply.completion_id)
+                    reply = item.reply
+                    yield _start(reply.completion_id, reply.model, reply.prompt_tokens, item.session_id)
+                    for line in [
+                        *replayed.whole(reply.message),
+                        *_end(reply, stopped_by(reply, item.session_id)),
+                    ]:
+                        yield line
+                elif isinstance(item, Opened):
+                    blocks, session_id = Blocks(item.completion_id), item.session_id
+                    yield _start(item.completion_id, item.model, item.prompt_tokens, item.session_id)
+                elif isinstance(item, Delta) and blocks is not None:
+                    for line in blocks.feed(item.delta):
+                        yield line
+                elif isinstance(item, Closed) and blocks is not None:
+                    lines = blocks.feed(item.last) if item.last is not None else []
+                    blocks.close()
+                    for line in [*lines, *blocks.out, *_end(item.reply, stopped_by(item.reply, session_id))]:
+                        yield line
+        except Exception as exc:
+            if not started:
+                raise
+            if not isinstance(exc, MoltError):
+                log.error("internal error in a streamed message", exc_info=exc)
+                exc = MoltError("internal error")
+            yield event("error", {"error": error_body(exc)["error"]})

@@ -1,0 +1,389 @@
+"""The Anthropic Messages API (issue 12), in process: decoding into the template's messages,
+replies and the streamed event order through the real `anthropic` SDK, `count_tokens`, and
+every error in Anthropic's shape. The stand-in vLLM always samples "Hello there."; what needs
+real sampling (tool round trips, exact logprobs) is in `tests/test_anthropic_vllm.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+from devtools.scripts import WEATHER_TOOL, weather_episode
+from molt_proxy.cli import parser
+from molt_proxy.config import Settings
+from molt_proxy.errors import UpstreamError
+from molt_proxy.launcher import free_port
+from molt_proxy.side import DEFAULT_SIDE_REQUESTS
+from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.wire.anthropic import decode_messages_request
+from molt_proxy.wire.anthropic_reply import encode_message_stream
+from molt_proxy.wire.events import Delta, Opened, StreamEvent
+from tests.conftest import MAX_MODEL_LEN
+from tests.inprocess import REPLY_TEXT, inprocess_proxy, qwen3_tokenizer_dir, serve_app
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    db = tmp_path_factory.mktemp("anthropic") / "p.db"
+    with inprocess_proxy(db, max_model_len=MAX_MODEL_LEN, max_request_bytes=200_000) as url:
+        yield url
+
+
+def client(url: str, **kwargs: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="-", max_retries=0, **kwargs)
+
+
+def decode(**body: Any) -> Any:
+    return decode_messages_request(json.dumps({"model": "m", "max_tokens": 9, **body}).encode())
+
+
+ANTHROPIC_WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+def test_blocks_decode_into_the_templates_messages():
+    call = decode(
+        system=[
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be brief."},
+        ],
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "Go"}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Look it up.", "signature": "molt:chatcmpl-1"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_7", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_7",
+                        "content": [{"type": "text", "text": "Sunny"}],
+                    },
+                    {"type": "tool_result", "tool_use_id": "toolu_7", "content": "late", "is_error": True},
+                    {"type": "text", "text": "Thanks", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "system", "content": "Model notice."},
+        ],
+        tools=[ANTHROPIC_WEATHER_TOOL],
+        thinking={"type": "adaptive"},
+        metadata={"user_id": json.dumps({"device_id": "d", "session_id": "cc-42"})},
+        output_config={"effort": "low"},
+        context_management={"edits": []},
+    )
+    conversation = call.conversation
+    assert conversation.messages == [
+        {"role": "system", "content": "You are Claude Code.\n\nBe brief."},
+        {"role": "user", "content": "<reminder>\nGo"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [
+                {
+                    "id": "chatcmpl-tool-7",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-7", "content": "Sunny"},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-7", "content": "late"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "user", "content": "Model notice."},  # a later system message, in place
+    ]
+    assert conversation.tools == [WEATHER_TOOL]
+    assert conversation.template_kwargs == {"enable_thinking": True}
+    assert conversation.session_id == "cc-42"
+    assert conversation.call_ids == frozenset({"chatcmpl-tool-7"})
+    assert call.stream is False and conversation.max_tokens == 9
+    disabled = decode(messages=[{"role": "user", "content": "hi"}], thinking={"type": "disabled"})
+    assert disabled.conversation.template_kwargs == {"enable_thinking": False}
+    assert disabled.conversation.parser_request.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_an_anthropic_request_renders_as_the_chat_completion_it_means():
+    """The taught weather script, sent as Anthropic blocks, renders to the very text the chat
+    request renders to (so the taught model answers it), with or without cache markers."""
+    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    chat = weather_episode("hermes")["messages"]
+    arguments = [json.loads(c["function"]["arguments"]) for c in chat[2]["tool_calls"]]
+    uses = [
+        {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": a}
+        for i, a in enumerate(arguments)
+    ]
+    results = [
+        {
+            "type": "tool_result",
+            "tool_use_id": f"toolu_{i}",
+            "content": m["content"],
+            "cache_control": {"type": "x"},
+        }
+        for i, m in enumerate(chat[3:5])
+    ]
+    body = {
+        "system": chat[0]["content"],
+        "messages": [
+            {"role": "user", "content": chat[1]["content"]},
+            {"role": "assistant", "content": uses},
+            {"role": "user", "content": results},
+        ],
+        "tools": [ANTHROPIC_WEATHER_TOOL],
+    }
+    conversation = decode(**body).conversation
+    rendered = tokenizer.render(conversation.messages, conversation.tools, conversation.template_kwargs)
+    assert rendered == tokenizer.render(chat[:5], [WEATHER_TOOL], {})
+
+
+def test_reply_and_stream_through_the_sdk(proxy):
+    sdk = client(proxy + "/s/plain")
+    request = {"model": "tiny", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+    counted = sdk.messages.count_tokens(model="tiny", messages=request["messages"]).input_tokens
+    message = sdk.messages.create(**request)
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert [(b.type, b.text) for b in message.content] == [("text", REPLY_TEXT)]
+    assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (counted, 4)
+    # The next turn's count is the ids the proxy sends: the segment's ids plus the new ones.
+    history = [
+        *request["messages"],
+        {"role": "assistant", "content": REPLY_TEXT},
+        {"role": "user", "content": "ok"},
+    ]
+    counted = sdk.messages.count_tokens(model="tiny", messages=history).input_tokens
+    assert sdk.messages.create(**{**request, "messages": history}).usage.input_tokens == counted
+
+    with httpx.stream("POST", proxy + "/v1/messages?beta=true", json={**request, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("event: ")]
+    assert [line.removeprefix("event: ") for line in lines] == [
+        "message_start", "content_block_start", "ping", *["content_block_delta"] * 3,
+        "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    with sdk.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", REPLY_TEXT)]
+    assert (final.stop_reason, final.usage.output_tokens) == ("end_turn", 4)
+
+
+def test_probes_and_rewards_by_message_id(proxy):
+    assert httpx.head(proxy + "/").status_code == 200
+    assert httpx.get(proxy + "/").status_code == 200
+    message = client(proxy + "/s/rewarded").messages.create(
+        model="tiny", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+    )
+    reward = httpx.post(proxy + "/v1/rewards", json={"completion_id": message.id, "reward": 1.0})
+    assert reward.status_code == 200 and reward.json()["session_id"] == "rewarded"
+    closed = post(proxy, {"model": "m", "max_tokens": 5, "messages": USER}, "/s/rewarded/v1/messages")
+    assert "closed" in anthropic_error(closed, 400, "invalid_request_error")
+
+
+def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind and body["error"]["message"]
+    return body["error"]["message"]
+
+
+def post(url: str, body: Any, path: str = "/v1/messages", **kwargs: Any) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60, **kwargs)
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"model": "m", "messages": USER}, "'max_tokens'"),
+        ({"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
+        ({"model": "m", "max_tokens": 5, "messages": USER, "temperature": 3}, "'temperature'"),
+        ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        (
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "image content is not supported",
+        ),
+        (
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "document"}]}],
+            },
+            "document content is not supported",
+        ),
+        (
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": USER,
+                "tools": [ANTHROPIC_WEATHER_TOOL],
+                "tool_choice": {"type": "any"},
+            },
+            "tool_choice 'any' (forced tool use) is not supported yet",
+        ),  # fmt: skip
+        ({"model": "m", "max_tokens": 5, "messages": USER, "stop_sequences": [""]}, "stop_sequences"),
+        (
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "s"}]},
+            "user or assistant",
+        ),
+        ({"model": "m", "max_tokens": 5000, "messages": USER}, "maximum context length"),
+        ("not json", "JSON"),
+    ],
+)
+def test_bad_requests_get_invalid_request_error(proxy, body, says):
+    response = (
+        post(proxy, body) if isinstance(body, dict) else httpx.post(proxy + "/v1/messages", content=body)
+    )
+    assert says in anthropic_error(response, 400, "invalid_request_error")
+
+
+def test_sdk_raises_the_matching_exceptions(proxy, tmp_path):
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client(proxy).messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": ""}] * 0)
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert "does not serve" in anthropic_error(post(proxy, {}, "/v1/messages/nope"), 404, "not_found_error")
+    anthropic_error(
+        post(proxy, {"model": "m", "max_tokens": 5, "messages": USER * 40_000}), 413, "request_too_large"
+    )
+    anthropic_error(httpx.get(proxy + "/v1/messages"), 405, "invalid_request_error")
+    with inprocess_proxy(tmp_path / "keys.db", admin_key="root") as keyed:
+        with pytest.raises(anthropic.AuthenticationError):
+            client(keyed).messages.create(model="m", max_tokens=5, messages=USER)
+        session = httpx.post(keyed + "/v1/sessions", headers={"x-api-key": "root"}).json()
+        own = anthropic.Anthropic(base_url=keyed, api_key=session["api_key"], max_retries=0)
+        assert own.messages.create(model="m", max_tokens=5, messages=USER).session_id == session["session_id"]
+        bearer = {"authorization": f"Bearer {session['api_key']}"}
+        assert (
+            post(keyed, {"model": "m", "max_tokens": 5, "messages": USER}, headers=bearer).status_code == 200
+        )
+        with pytest.raises(anthropic.PermissionDeniedError):
+            anthropic.Anthropic(
+                base_url=keyed + "/s/other", api_key=session["api_key"], max_retries=0
+            ).messages.create(model="m", max_tokens=5, messages=USER)
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    settings = Settings(model=str(qwen3_tokenizer_dir()), upstreams=[nowhere], db_path=tmp_path / "down.db")
+    with serve_app(settings) as down:
+        with pytest.raises(anthropic.OverloadedError):
+            client(down).messages.create(model="m", max_tokens=5, messages=USER)
+        anthropic_error(
+            post(down, {"model": "m", "max_tokens": 5, "messages": USER, "stream": True}),
+            529,
+            "overloaded_error",
+        )
+
+
+def events_of(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    lines = response.text.strip().split("\n\n")
+    return [
+        (e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+        for e in lines
+    ]
+
+
+def test_a_retried_stream_is_replayed_whole(proxy):
+    body = {"model": "m", "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "again"}]}
+    first = events_of(post(proxy, body, "/s/retried/v1/messages", headers={"x-stainless-retry-count": "0"}))
+    again = events_of(post(proxy, body, "/s/retried/v1/messages", headers={"x-stainless-retry-count": "1"}))
+    assert [name for name, _ in again] == [
+        "message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert again[0][1]["message"]["id"] == first[0][1]["message"]["id"]
+    assert again[3][1]["delta"] == {"type": "text_delta", "text": REPLY_TEXT}
+    assert again[-2][1] == first[-2][1]
+    assert len(httpx.get(proxy + "/v1/sessions/retried").json()["segments"][0]["turns"]) == 1
+
+
+def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
+    async def turn() -> AsyncGenerator[StreamEvent]:
+        yield Opened("chatcmpl-1", 0, "tiny", "s", 5)
+        yield Delta(DeltaMessage(content="Hel"))
+        raise UpstreamError("vLLM's stream ended without its final result")
+
+    async def collect() -> list[str]:
+        return [line async for line in encode_message_stream(turn(), lambda reply, session: None)]
+
+    lines = asyncio.run(collect())
+    assert [line.split("\n")[0] for line in lines] == [
+        "event: message_start", "event: content_block_start", "event: ping", "event: content_block_delta",
+        "event: error",
+    ]  # fmt: skip
+    assert json.loads(lines[-1].split("\n")[1].removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "vLLM's stream ended without its final result"},
+    }
+
+
+def test_count_tokens_reads_the_inferred_session_without_joining_it(proxy):
+    sdk = client(proxy)
+    first = [{"role": "user", "content": "count me in"}]
+    opened = sdk.messages.create(model="m", max_tokens=9, messages=first)
+    history = [*first, {"role": "assistant", "content": REPLY_TEXT}, {"role": "user", "content": "more"}]
+    counted = sdk.messages.count_tokens(model="m", messages=history).input_tokens
+    assert len(httpx.get(f"{proxy}/v1/sessions/{opened.session_id}").json()["segments"][0]["turns"]) == 1
+    joined = sdk.messages.create(model="m", max_tokens=9, messages=history)
+    assert (joined.session_id, joined.usage.input_tokens) == (opened.session_id, counted)
+
+
+TITLE_SYSTEM = "Generate a concise, sentence-case title (3-7 words) for this conversation. Reply in JSON."
+
+
+def test_a_title_side_request_is_served_recorded_and_kept_out_of_the_trainers_stream(proxy):
+    sdk = client(proxy)
+    metadata = {"user_id": json.dumps({"device_id": "d", "session_id": "cc-side"})}
+    prompt = [{"role": "user", "content": "fix the bug"}]
+    title = sdk.messages.create(
+        model="m", max_tokens=9, system=TITLE_SYSTEM, messages=prompt, metadata=metadata
+    )
+    assert title.content[0].text == REPLY_TEXT and title.session_id.startswith("side-")
+    streamed = post(
+        proxy, {"model": "m", "max_tokens": 9, "system": TITLE_SYSTEM, "messages": prompt, "stream": True}
+    )
+    side_ids = {title.session_id, events_of(streamed)[0][1]["message"]["session_id"]}
+    tools = [ANTHROPIC_WEATHER_TOOL]
+    turn = sdk.messages.create(
+        model="m", max_tokens=9, system="You code.", tools=tools, messages=prompt, metadata=metadata
+    )
+    assert turn.session_id == "cc-side"
+    for side_id in side_ids:  # closed with their turn
+        assert httpx.get(f"{proxy}/v1/sessions/{side_id}").status_code == 404
+    httpx.post(proxy + "/v1/rewards", json={"session_id": "cc-side", "reward": 1.0}).raise_for_status()
+    listed = httpx.get(proxy + "/v1/trajectories", params={"limit": 10_000}).json()["data"]
+    side = [t for t in listed if t["session_id"] in side_ids]
+    assert [(t["reward"], t["status"], t["info"]["side"]) for t in side] == [(None, "unrewarded", True)] * 2
+    [main] = [t for t in listed if t["session_id"] == "cc-side"]
+    assert main["num_segments"] == 1
+    after = min(t["seq"] for t in side) - 1
+    headers = {"accept": "text/event-stream"}
+    with httpx.stream("GET", proxy + "/v1/trajectories", params={"after": after}, headers=headers) as feed:
+        first = next(line for line in feed.iter_lines() if line.startswith("data: "))
+    assert json.loads(first.removeprefix("data: "))["session_id"] not in side_ids
+
+
+def test_side_request_rules_are_configurable():
+    assert parser().parse_args(["serve", "--model", "m"]).side_request == list(DEFAULT_SIDE_REQUESTS)
+    assert parser().parse_args(["serve", "--model", "m", "--side-request"]).side_request == []
+    with pytest.raises(ValueError, match="not a regular expression"):
+        Settings(model="m", side_requests=["("])
