@@ -34,7 +34,7 @@ from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
 from molt_proxy.session import Attempt, Caller, OpenTurn
 from molt_proxy.sessions import Sessions
-from molt_proxy.stitching import PromptPlan, plan_prompt
+from molt_proxy.stitching import PromptPlan, continued_length, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment, TokenLogprobs
 from molt_proxy.upstream import TokenDelta
@@ -163,9 +163,9 @@ class Completions:
         """How many prompt ids a turn for this request would send now: the same render and
         stitching plan against the open segment it would continue, without sampling, recording
         or creating a session (Anthropic's `count_tokens`)."""
-        rendered = await self._render(conversation, body)
-        segment = continued_segment(self.sessions, caller, rendered.encode())
-        return len((await self._plan(segment, rendered, body)).ids)
+        rendered = await self._render(conversation, body, self.sessions.returned_to(caller))
+        segment = continued_segment(self.sessions, caller, rendered.text.encode())
+        return len((await self._plan(segment, rendered.text, body)).ids)
 
     @asynccontextmanager
     async def _turn(
@@ -282,13 +282,13 @@ def continued_segment(sessions: Sessions, caller: Caller, rendered: bytes) -> Se
         visible = session is not None and may_use(caller.principal, session.id, session.owner)
         return session.open_segment if session is not None and visible else None
     best: Segment | None = None
+    longest = 0
     for session in sessions.open_sessions():
-        segment = session.open_segment
-        if not session.inferred or session.owner != caller.principal.owner or segment is None:
+        if not session.inferred or session.owner != caller.principal.owner:
             continue
-        longer = best is None or len(segment.text) > len(best.text)
-        if segment.turns and longer and rendered.startswith(segment.text):
-            best = segment
+        matched = continued_length(session.open_segment, rendered)
+        if matched is not None and matched > longest:
+            best, longest = session.open_segment, matched
     return best
 
 

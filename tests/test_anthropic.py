@@ -241,7 +241,7 @@ USER = [{"role": "user", "content": "hi"}]
                 "tools": [ANTHROPIC_WEATHER_TOOL],
                 "tool_choice": {"type": "any"},
             },
-            "tool_choice 'any' (forced tool use) is not supported yet",
+            "needs the proxy to run with --tool-call-parser",
         ),  # fmt: skip
         ({"model": "m", "max_tokens": 5, "messages": USER, "stop_sequences": [""]}, "stop_sequences"),
         (

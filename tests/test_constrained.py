@@ -127,6 +127,36 @@ def test_output_formats_are_sent_as_vllm_structured_outputs(proxy, fields, expec
     assert (constraint, constrained) == (expected, expected is not None)
 
 
+@pytest.mark.parametrize(
+    "tool_choice, chat_fields",
+    [
+        ({"type": "tool", "name": "f"}, {"tool_choice": NAMED}),
+        ({"type": "any"}, {"tool_choice": "required"}),
+        ({"type": "auto", "disable_parallel_tool_use": True}, {"parallel_tool_calls": False}),
+    ],
+)
+def test_anthropic_forced_tool_use_is_the_constraint_chat_completions_sends(proxy, tool_choice, chat_fields):
+    """`/v1/messages` decodes into the same conversation: its forced tool use is the same
+    structured output sent to vLLM, and its turn is recorded constrained."""
+    name = tool_choice["type"]
+    chat, _ = sent_constraint(proxy, f"chat-{name}", tools=TOOLS, **chat_fields)
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": PARAMETERS}],
+        "tool_choice": tool_choice,
+    }
+    response = post(proxy, f"/s/messages-{name}/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    sent = httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]
+    assert chat is not None and sent["structured_outputs"] == chat
+    post(proxy, "/v1/rewards", json={"session_id": f"messages-{name}", "reward": 1.0}).raise_for_status()
+    [record] = [t for t in trajectories(proxy) if t["session_id"] == f"messages-{name}"]
+    assert record["turns"][0]["constrained"] is True
+
+
 def assert_refused(response: httpx.Response, param: str, message: str) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]

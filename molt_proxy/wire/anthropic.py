@@ -20,8 +20,8 @@ its chat request (`AnthropicServingMessages.to_chat_completion_request`), with t
   budget and the `anthropic-*` headers are accepted and ignored: none of them may change the
   render (cache markers move between turns).
 - Images and documents are refused (400): the proxy serves text-only models. Forced tool use
-  (`tool_choice` `any` or `tool`, `disable_parallel_tool_use`) is refused as chat completions
-  refuses `tool_choice: required`, until constrained turns land.
+  (`tool_choice` `any` or `tool`, `disable_parallel_tool_use`) is constrained decoding, exactly
+  as chat completions' `tool_choice: required` / named / `parallel_tool_calls: false`.
 
 Tool-use ids: the reply shows a call id the parser minted (`chatcmpl-tool-X`) as `toolu_X`
 (`tool_use_id`), and an echoed `toolu_X` is read back as `chatcmpl-tool-X`, so echoes are
@@ -112,7 +112,14 @@ COUNT_SCHEMA: dict[str, Any] = {
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
         "tools": {"type": "array", "items": _TOOL},
-        "tool_choice": {"type": "object", "properties": {"type": {"enum": ["auto", "none"]}}},
+        "tool_choice": {
+            "type": "object",
+            "properties": {
+                "type": {"enum": ["auto", "any", "tool", "none"]},
+                "name": {"type": "string"},
+                "disable_parallel_tool_use": {"type": "boolean"},
+            },
+        },
         "thinking": {"type": "object", "properties": {"type": {"enum": ["enabled", "adaptive", "disabled"]}}},
         "metadata": {"type": "object"},
     },
@@ -157,7 +164,6 @@ def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall
         messages += _convert(message.role, message.content, index, leading)
     if not messages or all(m["role"] == "system" for m in messages):
         raise BadRequest("'messages' must hold a user or assistant message", param="messages")
-    _refuse_constraints(request.tool_choice)
     tools = [_tool(tool) for tool in request.tools or []] or None
     template_kwargs = dict(request.chat_template_kwargs or {})
     if request.thinking is not None:
@@ -304,19 +310,20 @@ def _tool(tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _refuse_constraints(choice: Any) -> None:
+def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Anthropic's `tool_choice` as chat completions' fields, which the constraint code reads
+    (`constraints.py`): `any` is `required`, `tool` names the function, and
+    `disable_parallel_tool_use` is `parallel_tool_calls: false`."""
+    if not tools:
+        return {"tool_choice": None}
     if choice is None:
-        return
-    if choice.type in ("any", "tool"):
-        raise BadRequest(
-            f"tool_choice {choice.type!r} (forced tool use) is not supported yet; use 'auto' or 'none'",
-            param="tool_choice",
-        )
+        return {"tool_choice": "auto"}
+    fields: dict[str, Any] = {"tool_choice": {"any": "required"}.get(choice.type, choice.type)}
+    if choice.type == "tool":
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     if choice.disable_parallel_tool_use:
-        raise BadRequest(
-            "disable_parallel_tool_use is not supported yet: the model may call several tools",
-            param="tool_choice.disable_parallel_tool_use",
-        )
+        fields["parallel_tool_calls"] = False
+    return fields
 
 
 def _parser_request(
@@ -329,7 +336,7 @@ def _parser_request(
         "messages": [_with_string_arguments(m) for m in messages],
         "chat_template_kwargs": kwargs,
         "tools": tools,
-        "tool_choice": (request.tool_choice.type if request.tool_choice else "auto") if tools else None,
+        **_chat_tool_choice(request.tool_choice, tools),
     }
     if isinstance(request, AnthropicMessagesRequest):
         fields |= {
