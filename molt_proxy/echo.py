@@ -179,16 +179,6 @@ class Rendered:
     template_kwargs: dict[str, Any]
 
 
-def reply_message(reply: ParsedReply) -> dict[str, Any]:
-    """A returned reply as the assistant message an agent echoes."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.reasoning_content is not None:
-        message["reasoning_content"] = reply.reasoning_content
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-    return message
-
-
 def echo_view(
     tokenizer: Tokenizer, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
 ) -> bytes | None:
@@ -209,7 +199,7 @@ def echo_view(
     follow: list[dict[str, Any]] = [
         {"role": "tool", "tool_call_id": call["id"], "content": _FOLLOW} for call in reply.tool_calls
     ] or [{"role": "user", "content": _FOLLOW}]
-    history = [*rendered.messages, reply_message(reply), *follow]
+    history = [*rendered.messages, reply.as_message(), *follow]
     try:
         whole = tokenizer.render(
             history, rendered.tools, rendered.template_kwargs, add_generation_prompt=False

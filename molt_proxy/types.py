@@ -211,6 +211,16 @@ class ParsedReply:
     """[calls] `{"id", "type": "function", "function": {"name", "arguments"}}`, the shape vLLM's
     tool parsers produce; `arguments` is the exact JSON text the model sampled where found."""
 
+    def as_message(self) -> dict[str, Any]:
+        """The assistant message of the chat template's (and chat completions') shape: what an
+        agent echoes, and what the echo view renders."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
 
 @dataclass(slots=True)
 class TokenLogprobs:

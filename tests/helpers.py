@@ -3,6 +3,7 @@ logprobs with a float32 `transformers` forward."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import struct
@@ -210,3 +211,18 @@ def write_checkpoint(folder: Path, *, config: bytes | None = None, weights: byte
         weights = struct.pack("<Q", len(header)) + header + bytes(8)
     (folder / "model.safetensors").write_bytes(weights)
     return folder
+
+
+def reopened(db_path: Path) -> list:
+    """What a proxy restarting on the store at `db_path` reads back: its open sessions, each
+    with its stored turns."""
+
+    async def reopen() -> list:
+        old = store.Store(db_path)
+        await old.open()
+        try:
+            return await old.open_sessions()
+        finally:
+            await old.close()
+
+    return asyncio.run(reopen())

@@ -9,7 +9,6 @@ against the session's real vLLM on the taught tiny Qwen3 (`tests/conftest.py`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 from collections.abc import Iterator
@@ -23,8 +22,7 @@ from openai import OpenAI
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy import store
 from molt_proxy.cli import launched_vllm_args
-from molt_proxy.store import Store
-from tests.helpers import forward_logprobs, reply_as_message, trajectories, write_old_store
+from tests.helpers import forward_logprobs, reopened, reply_as_message, trajectories, write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, post
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -201,15 +199,7 @@ def test_a_store_from_before_constraints_were_recorded_reads_unconstrained(tmp_p
     with sqlite3.connect(db_path) as db:
         assert "constrained" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
 
-    async def reopen() -> list:
-        old = Store(db_path)
-        await old.open()
-        try:
-            return await old.open_sessions()
-        finally:
-            await old.close()
-
-    [(session, turns)] = asyncio.run(reopen())
+    [(session, turns)] = reopened(db_path)
     assert session.id == "s" and turns[0].generation.constrained is False
     with sqlite3.connect(db_path) as db:
         assert [row[1] for row in db.execute("PRAGMA table_info(turns)")][-1] == "constrained"

@@ -4,7 +4,6 @@ which lists the body of every generate request it got."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 from collections.abc import Iterator
@@ -20,9 +19,8 @@ from molt_proxy import store
 from molt_proxy.cli import parser
 from molt_proxy.config import Settings
 from molt_proxy.sampling import parse_pins
-from molt_proxy.store import Store
 from molt_proxy.types import Sampling, Turn
-from tests.helpers import trajectories, write_old_store
+from tests.helpers import reopened, trajectories, write_old_store
 from tests.inprocess import chat_body, mock_vllm, post, qwen3_tokenizer_dir, serve_app
 
 DEFAULTS = {
@@ -128,15 +126,7 @@ def test_a_store_from_before_sampling_was_recorded_opens_and_its_turns_read_none
     with sqlite3.connect(db_path) as db:
         assert "sampling" not in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
 
-    async def reopen() -> list:
-        old = Store(db_path)
-        await old.open()
-        try:
-            return await old.open_sessions()
-        finally:
-            await old.close()
-
-    [(session, turns)] = asyncio.run(reopen())
+    [(session, turns)] = reopened(db_path)
     assert session.id == "s" and turns[0].generation.token_ids == [3] and turns[0].sampling is None
 
 

@@ -249,15 +249,6 @@ def finish_reason(reply: RecordedReply) -> str:
     return reply.finish_reason
 
 
-def _message(reply: ParsedReply) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.reasoning_content is not None:
-        message["reasoning_content"] = reply.reasoning_content
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-    return message
-
-
 def encode_reply(reply: RecordedReply, session_id: str, token_bytes: TokenBytes) -> dict[str, Any]:
     """The `chat.completion` body of a turn (or of its replay: the same bytes again)."""
     return {
@@ -268,7 +259,7 @@ def encode_reply(reply: RecordedReply, session_id: str, token_bytes: TokenBytes)
         "choices": [
             {
                 "index": 0,
-                "message": _message(reply.message),
+                "message": reply.message.as_message(),
                 "logprobs": encode_logprobs(reply.logprobs, token_bytes),
                 "finish_reason": finish_reason(reply),
             }
@@ -280,7 +271,7 @@ def encode_reply(reply: RecordedReply, session_id: str, token_bytes: TokenBytes)
 
 def _whole_delta(reply: ParsedReply) -> dict[str, Any]:
     """A whole reply as one delta (replaying a retried streaming request)."""
-    message = _message(reply)
+    message = reply.as_message()
     message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
     return {k: v for k, v in message.items() if v or k == "role"}
 
