@@ -243,6 +243,20 @@ USER = [{"role": "user", "content": "hi"}]
             },
             "needs the proxy to run with --tool-call-parser",
         ),  # fmt: skip
+        (
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": USER,
+                "tools": [ANTHROPIC_WEATHER_TOOL],
+                "tool_choice": {"type": "tool", "name": "no_such_tool"},
+            },
+            "does not match any of the specified `tools`",
+        ),  # fmt: skip
+        (
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": ["image"]}]}]},
+            "messages",
+        ),
         ({"model": "m", "max_tokens": 5, "messages": USER, "stop_sequences": [""]}, "stop_sequences"),
         (
             {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "s"}]},

@@ -42,6 +42,7 @@ from vllm.entrypoints.anthropic.protocol import (
     AnthropicMessagesRequest,
 )
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.exceptions import VLLMValidationError
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
@@ -207,7 +208,7 @@ def _refuse_media(messages: Any) -> None:
             nested = [(f".content.{k}", b) for k, b in enumerate(inner)] if isinstance(inner, list) else []
             for suffix, part in [("", block), *nested]:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in _UNSUPPORTED:
+                if isinstance(kind, str) and kind in _UNSUPPORTED:
                     param = f"messages.{i}.content.{j}{suffix}"
                     raise BadRequest(
                         f"{param}: {kind} content is not supported: the served model reads text only",
@@ -350,6 +351,9 @@ def _parser_request(
             raise BadRequest("'stop_sequences' cannot contain an empty string", param="stop_sequences")
     try:
         return ChatCompletionRequest.model_validate(fields)
+    except VLLMValidationError as exc:  # its cross-field checks, e.g. a tool_choice naming no tool
+        message = str(exc.args[0]) if exc.args else "invalid request"
+        raise BadRequest(message[:300], param=exc.parameter) from None
     except (pydantic.ValidationError, ValueError, TypeError) as exc:
         raise BadRequest(f"invalid request: {type(exc).__name__}") from None
 
