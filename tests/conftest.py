@@ -155,23 +155,30 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 # The files that boot vLLM servers, teach models or train, slowest first (measured with
-# `--durations`). `--dist loadfile` hands files to the two workers in collection order, so
-# running these first lets the quick in-process files fill the gaps and both workers finish
-# together; in collection order, `tests/trainer/` would come last.
+# `--durations`): with `--dist loadfile --no-loadscope-reorder` the two workers take files in
+# this order (the first two files, then the next two, then one at a time as each is done), so
+# the quick in-process files fill the gaps at the end and both workers finish together. The
+# first two do not wait on each other: one builds the taught Qwen3 model, the other runs the
+# README example on its own model.
 SLOW_FIRST = (
-    "trainer/test_end_to_end.py",
     "test_supervision.py",
-    "trainer/test_live_vllm.py",
+    "trainer/test_end_to_end.py",
     "test_integrations.py",
+    "trainer/test_live_vllm.py",
     "test_exactness.py",
+    "test_replicas_vllm.py",
+    "trainer/test_workers.py",
+    "test_fuzz.py",
+    "test_zero_config.py",
     "trainer/test_sampling_agreement.py",
     "test_durability.py",
-    "test_replicas_vllm.py",
     "test_tinymodel.py",
-    "trainer/test_workers.py",
     "trainer/test_policy.py",
+    "test_echo.py",
     "test_streaming.py",
-    "test_zero_config.py",
+    "test_constrained.py",
+    "test_anthropic_vllm.py",
+    "test_agent_logprobs.py",
     "test_errors.py",
 )
 

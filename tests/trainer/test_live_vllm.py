@@ -247,11 +247,11 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
     out = tmp_path / "train"
     try:
         first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-        first = _trainer(proxy.url, digits_model, out, steps=8, log=first_log)
+        first = _trainer(proxy.url, digits_model, out, steps=6, log=first_log)
         deadline = time.monotonic() + 600
         # Steps taken or skipped (a skipped step, e.g. a group of equal rewards, writes no
         # metrics line but is checkpointed).
-        while _steps_done(out / "checkpoint") < 3:
+        while _steps_done(out / "checkpoint") < 2:
             assert first.poll() is None and time.monotonic() < deadline, first_log.read_text()[-8000:]
             time.sleep(1.0)
         os.killpg(first.pid, signal.SIGKILL)  # mid-run: between or inside steps
@@ -260,7 +260,7 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         deadline = time.monotonic() + 60
         while _session_alive(first.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        second = _trainer(proxy.url, digits_model, out, steps=8, log=second_log)
+        second = _trainer(proxy.url, digits_model, out, steps=6, log=second_log)
         try:
             assert _wait_or_dump(second, second_log, timeout_s=420) == 0, second_log.read_text()[-8000:]
         finally:
@@ -270,7 +270,7 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         stop_file.touch()
         agents.wait(timeout=120)
     state, _ = checkpoint.load(out / "checkpoint")
-    assert state.step + sum(state.skipped_steps.values()) == 8  # taken or skipped
+    assert state.step + sum(state.skipped_steps.values()) == 6  # taken or skipped
     trained = [seq for step in state.trained for seq in step]
     assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
     taken = set(trained) | set(state.consumed) | {t.seq for t in state.pending}
