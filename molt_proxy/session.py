@@ -1,6 +1,6 @@
-"""One session in memory: its segments (chains, all open), its lock, the replies a retry gets, the hints a
-request names it by, and a turn open on it. State only; the registry that creates, finds and
-closes sessions is `sessions.py`."""
+"""One session in memory: its segments (chains, all open), its lock, the replies a retry
+gets, the hints a request names it by, and a turn open on it. State only; the registry that
+creates, finds and closes sessions is `sessions.py`."""
 
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ class Session:
     (`stitching.plan_prompt`)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last: dict[int, tuple[str, RecordedReply | None]] = field(default_factory=dict)
-    """Segment index → the hash of the last request its chain answered and its reply: a
-    byte-identical retry gets it (a chain's last request, as other chains' turns may have come
-    in between; the retry of a turn continues its chain no more, that turn grew it)."""
+    """Segment index → the hash of the last request its chain answered and its reply, the
+    chain answered last last: a byte-identical retry gets the latest such reply (a chain's
+    last request, as other chains' turns may have come in between)."""
     keyed: dict[str, tuple[str, RecordedReply]] = field(default_factory=dict)
     """Idempotency key → the request hash and reply of the turn recorded under it."""
     closed: bool = False
@@ -78,6 +78,7 @@ class Session:
     ) -> None:
         """Remember the reply of a turn recorded on chain `segment` for the retries of its
         request (`Attempt`); None: a row whose reply this version cannot read, never replayed."""
+        self.last.pop(segment, None)  # the latest answered last: a retry gets the latest reply
         self.last[segment] = (request_hash, reply)
         if idempotency_key is not None and reply is not None:
             self.keyed[idempotency_key] = (request_hash, reply)
@@ -96,7 +97,8 @@ class Session:
             return known[1] if known is not None else None
         if attempt.retry is False:
             return None
-        return next((reply for hashed, reply in self.last.values() if hashed == attempt.request_hash), None)
+        answered = reversed(self.last.values())
+        return next((reply for hashed, reply in answered if hashed == attempt.request_hash), None)
 
     def describe(self) -> dict[str, Any]:
         return {

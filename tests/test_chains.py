@@ -51,7 +51,7 @@ class Served:
     upstream: str
     tokenizer: Tokenizer
 
-    def turn(self, agent: Agent, question: str, session: str | None, reply: str) -> dict[str, Any]:
+    def turn(self, agent: Agent, question: str, reply: str, session: str | None) -> dict[str, Any]:
         """`agent` asks `question` (after echoing its last reply) and the stand-in samples `reply`."""
         if agent.replies:
             content = agent.replies[-1]["choices"][0]["message"]["content"]
@@ -69,6 +69,7 @@ class Served:
 
     def segments(self, session: str) -> list[list[str]]:
         described = httpx.get(f"{self.url}/v1/sessions/{session}", timeout=10).json()
+        assert "segments" in described, described
         return [segment["turns"] for segment in described["segments"]]
 
     def close(self, session: str, reward: float) -> list[dict[str, Any]]:
@@ -123,8 +124,8 @@ def test_an_interleaved_sub_agent_is_a_chain_of_its_own(vllm, tmp_path):
         assert served.segments("episode") == [parent.ids, sub.ids]
         # Another system prompt opens a third chain; the others stay open and continue.
         other = Agent(OTHER)
-        served.turn(other, "Summarise.", "episode", "A trip.")
-        served.turn(parent, "Book it?", "episode", "Booked.")
+        served.turn(other, "Summarise.", "A trip.", "episode")
+        served.turn(parent, "Book it?", "Booked.", "episode")
         assert served.segments("episode") == [parent.ids, sub.ids, other.ids]
         # A retry of the sub-agent's last request, after other chains' turns: its reply again.
         retried = httpx.post(
@@ -137,7 +138,7 @@ def test_an_interleaved_sub_agent_is_a_chain_of_its_own(vllm, tmp_path):
         records = served.close("episode", 0.25)
         # Each conversation alone, for comparison.
         alone_parent, _ = _play(served, "parent-alone", "ppp")
-        served.turn(alone_parent, "Book it?", "parent-alone", "Booked.")
+        served.turn(alone_parent, "Book it?", "Booked.", "parent-alone")
         _play(served, "sub-alone", "ss")
         [alone_p] = served.close("parent-alone", 1)
         [alone_s] = served.close("sub-alone", 1)

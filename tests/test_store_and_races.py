@@ -129,7 +129,7 @@ async def _record(store: Store, tokenizer: Tokenizer, seed: int = 0) -> Sessions
             generation = Generation(
                 sampled, [_float32(-rng.expovariate(2.0)) for _ in sampled], [t] * len(sampled), "stop"
             )
-            plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), continues=t > 0)
+            plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), 0 if t > 0 else None)
             reply = RecordedReply(
                 f"c{i}-{t}", 0, "tiny", ParsedReply("ok"), "stop", len(prompt), len(sampled)
             )
