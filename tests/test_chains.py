@@ -21,8 +21,10 @@ import pytest
 
 from molt_proxy.config import Settings
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.types import Trajectory
 from tests.helpers import trajectories
 from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
+from trainer.buffer import GroupBuffer
 
 PARENT = "You are the lead agent. Plan the trip."
 SUB = "You are a flight-search sub-agent. Answer with one flight."
@@ -152,6 +154,14 @@ def test_an_interleaved_sub_agent_is_a_chain_of_its_own(vllm, tmp_path):
     tokenizer = vllm[1]
     other_prompt = tokenizer.encode(tokenizer.render(other.history, None, {}))
     assert records[2]["token_ids"] == other_prompt + tokenizer.encode("A trip.") + [tokenizer.eos_token_id]
+    # The trainer counts the session only once every chain has arrived.
+    buffer = GroupBuffer(group_size=1, timeout_s=0)
+    for record in records[:2]:
+        buffer.add(Trajectory.from_json(record))
+    assert buffer.pop_ready() == []
+    buffer.add(Trajectory.from_json(records[2]))
+    [group] = buffer.pop_ready()
+    assert [t.segment for t in group.trajectories] == [0, 1, 2] and group.sessions == ["episode"]
 
 
 def test_a_restart_rebuilds_every_chain_and_continues_the_right_one(vllm, tmp_path):
