@@ -32,7 +32,7 @@ PACKED_BYTES_PER_TOKEN = 4 + 1 + 4 + 4
 def _turn_inputs(tokenizer: Tokenizer, first: bool) -> tuple[PromptPlan, Generation]:
     prompt = tokenizer.encode("<|im_start|>user\nPlease look at the failing test and fix it. " * 4)
     sampled = tokenizer.encode("I changed the assertion and the test passes now. " * 4)
-    plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), continues=not first)
+    plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), None if first else 0)
     return plan, Generation(sampled, [-0.25] * len(sampled), [0] * len(sampled), "stop")
 
 

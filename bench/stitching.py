@@ -3,7 +3,7 @@
 One conversation with the real Qwen3 tokenizer and chat template grows to 200 turns (about
 32k tokens). Each turn, molt-proxy renders the whole request (every OpenAI front-end must,
 to apply the template) and then only *stitches*: `plan_prompt` compares the render with the
-open segment's bytes and tokenizes the new suffix, `commit_turn` appends the ids. The
+segment's bytes and tokenizes the new suffix, `commit_turn` appends the ids. The
 baseline is what a proxy without a token record does: tokenize the whole render again each
 turn. Target: stitching cost flat in the conversation's length, the baseline linear.
 """
@@ -52,7 +52,7 @@ def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int
                 t1 = time.perf_counter()
                 scratch = _copy(segment)  # commit_turn mutates: time it on a copy
                 t2 = time.perf_counter()
-                plan = plan_prompt(scratch, rendered, tokenizer)
+                plan = plan_prompt([] if scratch is None else [scratch], rendered, tokenizer)
                 commit_turn(
                     scratch if plan.continues and scratch else Segment(0), plan, generation, "c", tokenizer
                 )
@@ -66,7 +66,7 @@ def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int
                 raise RuntimeError(f"turn {turn}: stitched ids differ from a fresh tokenization")
             out[turn] = {key: median(values) for key, values in timings.items()}
             out[turn] |= {"tokens": len(plan.ids), "continues": float(plan.continues)}
-        plan = plan_prompt(segment, rendered, tokenizer)
+        plan = plan_prompt([] if segment is None else [segment], rendered, tokenizer)
         target = segment if plan.continues and segment is not None else Segment(index=0)
         commit_turn(target, plan, generation, f"c{turn}", tokenizer)
         segment = target

@@ -72,9 +72,7 @@ def _agent(tokenizer: Tokenizer) -> Turns:
         messages = histories.setdefault(i, [{"role": "system", "content": "You are a careful coding agent."}])
         messages.append({"role": "user", "content": _USER.format(**numbers)})
         reply = _REPLY.format(**numbers)
-        plan = plan_prompt(
-            sessions.get(f"s{i}").open_segment, tokenizer.render(messages, None, {}), tokenizer
-        )
+        plan = plan_prompt(sessions.get(f"s{i}").segments, tokenizer.render(messages, None, {}), tokenizer)
         messages.append({"role": "assistant", "content": reply})
         return plan, tokenizer.encode(reply) + [im_end]
 
@@ -84,7 +82,7 @@ def _agent(tokenizer: Tokenizer) -> Turns:
 def _random(rng: random.Random, i: int, t: int, sessions: Sessions) -> tuple[PromptPlan, list[int]]:
     prompt = [rng.randrange(150_000) for _ in range(rng.randrange(40, 160))]
     sampled = [rng.randrange(150_000) for _ in range(rng.randrange(20, 120))]
-    return PromptPlan(prompt, prompt, sessions.tokenizer.ids_bytes(prompt), continues=t > 0), sampled
+    return PromptPlan(prompt, prompt, sessions.tokenizer.ids_bytes(prompt), 0 if t > 0 else None), sampled
 
 
 def live_bytes(path: Path) -> int:
@@ -143,7 +141,7 @@ async def _soak(tokenizer: Tokenizer, turns: Turns, n: int, name: str) -> dict[s
                 model="tiny",
                 message=ParsedReply(tokenizer.decode(sampled, skip_special_tokens=True)),
                 finish_reason="stop",
-                prompt_tokens=len(session.open_segment or []) + len(plan.new_ids),
+                prompt_tokens=len(plan.ids),
                 completion_tokens=len(sampled),
             )
             request_hash = hashlib.sha256(f"{i}-{t}".encode()).hexdigest()

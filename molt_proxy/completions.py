@@ -34,7 +34,7 @@ from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
 from molt_proxy.session import Attempt, Caller, OpenTurn
 from molt_proxy.sessions import Sessions
-from molt_proxy.stitching import PromptPlan, continued_length, plan_prompt
+from molt_proxy.stitching import PromptPlan, continued, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment, TokenLogprobs
 from molt_proxy.upstream import TokenDelta
@@ -161,11 +161,11 @@ class Completions:
 
     async def count(self, caller: Caller, conversation: Conversation, body: bytes) -> int:
         """How many prompt ids a turn for this request would send now: the same render and
-        stitching plan against the open segment it would continue, without sampling, recording
-        or creating a session (Anthropic's `count_tokens`)."""
+        stitching plan against the chains of the session it would join, without sampling,
+        recording or creating a session (Anthropic's `count_tokens`)."""
         rendered = await self._render(conversation, body, self.sessions.returned_to(caller))
-        segment = continued_segment(self.sessions, caller, rendered.text.encode())
-        return len((await self._plan(segment, rendered.text, body)).ids)
+        segments = joined_segments(self.sessions, caller, rendered.text.encode())
+        return len((await self._plan(segments, rendered.text, body)).ids)
 
     @asynccontextmanager
     async def _turn(
@@ -182,8 +182,9 @@ class Completions:
     async def _prepare(
         self, turn: OpenTurn, rendered: Rendered, conversation: Conversation, body: bytes
     ) -> Prepared:
-        """The prompt ids (continuing the open segment or not), the model and the sampling."""
-        plan = await self._plan(turn.session.open_segment, rendered.text, body)
+        """The prompt ids (continuing one of the session's chains or opening one), the model and
+        the sampling."""
+        plan = await self._plan(turn.session.segments, rendered.text, body)
         model = await self.replicas.model()
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
         requested = {**conversation.sampling, "max_tokens": max_tokens}
@@ -260,19 +261,20 @@ class Completions:
             )
         return rendered
 
-    async def _plan(self, segment: Segment | None, rendered: str, body: bytes) -> PromptPlan:
+    async def _plan(self, segments: list[Segment], rendered: str, body: bytes) -> PromptPlan:
         """`plan_prompt`, in a worker thread for a large request. It runs under the session's
-        lock, which only this turn can change the segment under, so the thread reads it safely."""
+        lock, which only this turn can change the segments under; a token count, which holds
+        no lock, plans on a copy of the list."""
         if len(body) < OFF_LOOP_BYTES:
-            return plan_prompt(segment, rendered, self.tokenizer)
-        return await asyncio.to_thread(plan_prompt, segment, rendered, self.tokenizer)
+            return plan_prompt(segments, rendered, self.tokenizer)
+        return await asyncio.to_thread(plan_prompt, list(segments), rendered, self.tokenizer)
 
 
-def continued_segment(sessions: Sessions, caller: Caller, rendered: bytes) -> Segment | None:
-    """The open segment a turn for `caller` would continue, read without waiting, locking or
-    creating anything (a token count): the named session's (or its key's), else the inferred
-    one of its owner that `rendered` continues furthest (as `Sessions.turn` picks). None: a
-    new segment."""
+def joined_segments(sessions: Sessions, caller: Caller, rendered: bytes) -> list[Segment]:
+    """The chains of the session a turn for `caller` would join, read without waiting, locking
+    or creating anything (a token count): the named session's (or its key's), else those of
+    the inferred session of its owner one of whose chains `rendered` continues furthest (as
+    `Sessions.turn` picks). Empty: a new session."""
     named = caller.session_id
     if named is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
         keyed = sessions.by_key(caller.api_key)
@@ -280,15 +282,15 @@ def continued_segment(sessions: Sessions, caller: Caller, rendered: bytes) -> Se
     if named is not None:
         session = sessions.find(named)
         visible = session is not None and may_use(caller.principal, session.id, session.owner)
-        return session.open_segment if session is not None and visible else None
-    best: Segment | None = None
+        return session.segments if session is not None and visible else []
+    best: list[Segment] = []
     longest = 0
     for session in sessions.open_sessions():
         if not session.inferred or session.owner != caller.principal.owner:
             continue
-        matched = continued_length(session.open_segment, rendered)
-        if matched is not None and matched > longest:
-            best, longest = session.open_segment, matched
+        chains = continued(session.segments, rendered)
+        if chains and chains[0][0] > longest:
+            best, longest = session.segments, chains[0][0]
     return best
 
 

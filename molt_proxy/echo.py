@@ -16,8 +16,9 @@ only ever replace something by what it returned, never by anything the agent did
    returned reply continues the segment over the sampled ids (`stitching.plan_prompt`).
 
 A real rewrite (another value, a dropped field) is not restored, renders differently and
-seals, as before. Rendering the returned reply also covers templates that print arguments
-with `tojson` (Llama-3.2's) as well as those that print the sampled string (Qwen3's).
+opens a new segment, as before. Rendering the returned reply also covers templates that
+print arguments with `tojson` (Llama-3.2's) as well as those that print the sampled string
+(Qwen3's).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def keys_of(reply: ParsedReply) -> list[str]:
 
 class Returned:
     """What the proxy returned for every turn of the open sessions, by the keys echoes name it
-    by. Every segment counts, not only the open one: a segment opened from a restored render
-    is continued only by renders restored alike."""
+    by. Every segment of a session counts: a segment opened from a restored render is
+    continued only by renders restored alike."""
 
     def __init__(self) -> None:
         self._by_key: dict[str, dict[str, ParsedReply]] = {}

@@ -1,6 +1,6 @@
-"""One session in memory: its segments, its lock, the replies a retry gets, the hints a
-request names it by, and a turn open on it. State only; the registry that creates, finds and
-closes sessions is `sessions.py`."""
+"""One session in memory: its segments (chains, all open), its lock, the replies a retry
+gets, the hints a request names it by, and a turn open on it. State only; the registry that
+creates, finds and closes sessions is `sessions.py`."""
 
 from __future__ import annotations
 
@@ -62,22 +62,24 @@ class Session:
     call_ids: set[str] = field(default_factory=set)
     """Ids of the tool calls in this session's replies: an echoed history names them."""
     segments: list[Segment] = field(default_factory=list)
+    """Its chains, in the order they opened (`Segment.index`); every one may still be continued
+    (`stitching.plan_prompt`)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_request_hash: str | None = None
-    last_reply: RecordedReply | None = None
-    """What the last request (`last_request_hash`) was answered: a byte-identical retry gets it."""
+    last: dict[int, tuple[str, RecordedReply | None]] = field(default_factory=dict)
+    """Segment index → the hash of the last request its chain answered and its reply, the
+    chain answered last last: a byte-identical retry gets the latest such reply (a chain's
+    last request, as other chains' turns may have come in between)."""
     keyed: dict[str, tuple[str, RecordedReply]] = field(default_factory=dict)
     """Idempotency key → the request hash and reply of the turn recorded under it."""
     closed: bool = False
 
-    @property
-    def open_segment(self) -> Segment | None:
-        return self.segments[-1] if self.segments else None
-
-    def answered(self, request_hash: str, idempotency_key: str | None, reply: RecordedReply | None) -> None:
-        """Remember a recorded turn's reply for the retries of its request (`Attempt`); None:
-        a row whose reply this version cannot read, never replayed."""
-        self.last_request_hash, self.last_reply = request_hash, reply
+    def answered(
+        self, segment: int, request_hash: str, idempotency_key: str | None, reply: RecordedReply | None
+    ) -> None:
+        """Remember the reply of a turn recorded on chain `segment` for the retries of its
+        request (`Attempt`); None: a row whose reply this version cannot read, never replayed."""
+        self.last.pop(segment, None)  # the latest answered last: a retry gets the latest reply
+        self.last[segment] = (request_hash, reply)
         if idempotency_key is not None and reply is not None:
             self.keyed[idempotency_key] = (request_hash, reply)
 
@@ -93,9 +95,10 @@ class Session:
                     param="Idempotency-Key",
                 )
             return known[1] if known is not None else None
-        if attempt.retry is False or self.last_request_hash != attempt.request_hash:
+        if attempt.retry is False:
             return None
-        return self.last_reply
+        answered = reversed(self.last.values())
+        return next((reply for hashed, reply in answered if hashed == attempt.request_hash), None)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,12 +1,14 @@
 """Sessions: identification, per-session locks, segments, rewards (DESIGN §3).
 
-A session is one agent episode. It holds its segments (the last one open), a lock that
-serialises its turns, and the requests it answered (for idempotent retries). The
-registry is in memory and mirrored in the store; `recover` rebuilds it after a restart.
+A session is one agent episode. It holds its segments (chains: a request continues the one
+its render extends, `stitching.py`), a lock that serialises its turns (all chains' turns
+alike: which chain a request continues is known only once it plans under the lock), and the
+requests it answered (for idempotent retries). The registry is in memory and mirrored in the
+store; `recover` rebuilds it after a restart.
 A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
 
-A request without a session id joins the inferred session whose open segment its render
-(its echoes restored: `returned_to`, `echo.py`) continues, or starts a new one. Sessions
+A request without a session id joins the inferred session one of whose chains its render
+(its echoes restored: `returned_to`, `echo.py`) continues furthest, or starts a new one. Sessions
 whose histories render alike (N attempts at one task, sampled alike) are told apart by the
 tool-call ids the proxy minted for their replies, which the agent echoes but the template may
 not print; failing that, a request takes an idle one, so each attempt keeps a session of its
@@ -27,7 +29,7 @@ from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
 from molt_proxy.echo import Find, Returned
 from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
 from molt_proxy.session import Attempt, Caller, OpenTurn, Session
-from molt_proxy.stitching import PromptPlan, TokenText, commit_to, continued_length, segment_index
+from molt_proxy.stitching import PromptPlan, TokenText, commit_to, continued, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
     Generation,
@@ -89,7 +91,7 @@ class Sessions:
                     turn.echo,
                 )
                 replayed.created, replayed.reward = turn.created, turn.reward
-                session.answered(turn.request_hash, turn.idempotency_key, turn.reply)
+                session.answered(turn.segment, turn.request_hash, turn.idempotency_key, turn.reply)
                 session.last_active = turn.created
                 if turn.reply is not None:
                     session.call_ids |= turn.reply.call_ids
@@ -234,7 +236,7 @@ class Sessions:
     async def _continued(
         self, rendered: bytes, call_ids: frozenset[str], owner: str | None
     ) -> Session | None:
-        """The inferred session whose open segment `rendered` continues (the longest), locked;
+        """The inferred session one of whose chains `rendered` continues furthest, locked;
         None if none does. Among equal candidates the one whose tool calls the request echoes
         wins, then an idle one; if the best are all busy, wait for one to finish its turn and
         look again, since that turn changes its history. Only `owner`'s sessions are candidates:
@@ -245,7 +247,8 @@ class Sessions:
             for session in self._open.values():
                 if not session.inferred or session.owner != owner:
                     continue
-                matched = continued_length(session.open_segment, rendered)
+                chains = continued(session.segments, rendered)
+                matched = chains[0][0] if chains else None
                 if matched is not None and matched >= longest:
                     if matched > longest:
                         candidates, longest = [], matched
@@ -337,7 +340,7 @@ class Sessions:
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
-        index = segment_index(session.open_segment, plan)
+        index = segment_index(session.segments, plan)
         stored = StoredTurn(
             reply.completion_id,
             index,
@@ -363,7 +366,7 @@ class Sessions:
             echo,
         )
         turn.created = stored.created
-        session.answered(request_hash, idempotency_key, reply)
+        session.answered(index, request_hash, idempotency_key, reply)
         session.last_active = stored.created
         session.call_ids |= reply.call_ids
         self.returned.add(session.id, reply.message)

@@ -1,14 +1,19 @@
-"""Token accounting: continue the open segment or start a new one (DESIGN §2).
+"""Token accounting: continue one of a session's chains or open a new one (DESIGN §2).
 
-Pure: no I/O, no locks. The session layer calls `plan_prompt` before generation and
-`commit_to` only after generation succeeded, so a failed or retried request never
-double-appends. Continue-or-seal is decided once, by `plan_prompt`, and becomes a segment
-index (`segment_index`) that the live turn and a restart's replay both commit to.
+A session holds several chains (segments), all open: a request continues the one whose bytes
+its render extends furthest, or opens a new one when it extends none (a rewritten history,
+a sub-agent with a system prompt of its own); the others stay as they are and may be
+continued later. Pure: no I/O, no locks. The session layer calls `plan_prompt` before
+generation and `commit_to` only after generation succeeded, so a failed or retried request
+never double-appends. Which chain a turn joins is decided once, by `plan_prompt`, and
+becomes a segment index (`segment_index`) that the live turn and a restart's replay both
+commit to.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,9 +36,14 @@ class PromptPlan:
     new_text: bytes
     """The exact bytes of `new_ids`, computed with the plan (in the worker thread that plans a
     large request) rather than at commit time on the event loop."""
-    continues: bool
-    """True: appended to the open segment. False: the history was rewritten (or there is no
-    open segment) and the turn opens a new segment from the full render."""
+    segment: int | None
+    """The index of the chain the turn continues; None: the render extends no chain (a
+    rewritten history, another system prompt, a first turn) and the turn opens a new segment
+    from the full render."""
+
+    @property
+    def continues(self) -> bool:
+        return self.segment is not None
 
 
 def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
@@ -49,35 +59,40 @@ def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
     return None
 
 
-def plan_prompt(segment: Segment | None, rendered: str, tokenizer: TokenText) -> PromptPlan:
-    """Continue `segment` when the render starts with its bytes (`continued_length`): the
-    prompt is the segment's ids and the rest of the render tokenized; otherwise start over.
+def continued(segments: Sequence[Segment], rendered: bytes) -> list[tuple[int, Segment]]:
+    """The chains `rendered` continues (`continued_length`), the furthest first, each with the
+    number of bytes it stands for; among equal lengths the newest chain first."""
+    found = [(n, s) for s in segments if (n := continued_length(s, rendered)) is not None]
+    return sorted(found, key=lambda m: (m[0], m[1].index), reverse=True)
+
+
+def plan_prompt(segments: Sequence[Segment], rendered: str, tokenizer: TokenText) -> PromptPlan:
+    """Continue the chain the render extends furthest (`continued`): the prompt is that
+    segment's ids and the rest of the render tokenized; if it extends none, open a new one.
 
     Bytes, not str: a segment may end inside a multi-byte character (a length cut), and
     decode would hide that. A suffix that does not start on a character boundary cannot be
-    tokenized on its own, so it starts a new segment too.
+    tokenized on its own, so that chain is not continued (a shorter one may be).
     """
     full = rendered.encode()
-    matched = continued_length(segment, full)
-    if segment is not None and matched is not None:
+    for matched, segment in continued(segments, full):
         try:
             suffix = full[matched:].decode()
         except UnicodeDecodeError:
-            suffix = None
-        if suffix is not None:
-            new_ids = tokenizer.encode(suffix) if suffix else []
-            return PromptPlan(segment.token_ids + new_ids, new_ids, tokenizer.ids_bytes(new_ids), True)
+            continue
+        new_ids = tokenizer.encode(suffix) if suffix else []
+        return PromptPlan(segment.token_ids + new_ids, new_ids, tokenizer.ids_bytes(new_ids), segment.index)
     ids = tokenizer.encode(rendered)
-    return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), False)
+    return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), None)
 
 
-def segment_index(open_segment: Segment | None, plan: PromptPlan) -> int:
-    """The index of the segment a planned turn joins: the open one if the plan continues it,
-    else the next (the turn seals the open segment). The one place `continues` becomes a
-    record; a stored turn keeps the index, so a restart replays the same choice."""
-    if open_segment is None:
-        return 0
-    return open_segment.index if plan.continues else open_segment.index + 1
+def segment_index(segments: Sequence[Segment], plan: PromptPlan) -> int:
+    """The index of the segment a planned turn joins: the chain it continues, else a new one
+    after the last (indices are 0, 1, ... in the order chains opened). The one place the plan
+    becomes a record; a stored turn keeps the index, so a restart replays the same choice."""
+    if plan.segment is not None:
+        return plan.segment
+    return segments[-1].index + 1 if segments else 0
 
 
 def commit_to(
@@ -91,11 +106,13 @@ def commit_to(
     sampling: Sampling | None = None,
     echo: bytes | None = None,
 ) -> Turn:
-    """Append a turn to the segment `index` of `segments`: the last one when it has that
-    index, else a new one opened after it. Serves a live turn and a replayed stored one alike."""
-    if not segments or segments[-1].index != index:
-        segments.append(Segment(index=index))
-    return _append(segments[-1], new_ids, new_text, generation, completion_id, tokenizer, sampling, echo)
+    """Append a turn to the segment `index` of `segments`, or to a new one opened after the
+    others when there is none yet. Serves a live turn and a replayed stored one alike."""
+    segment = next((s for s in segments if s.index == index), None)
+    if segment is None:
+        segment = Segment(index=index)
+        segments.append(segment)
+    return _append(segment, new_ids, new_text, generation, completion_id, tokenizer, sampling, echo)
 
 
 def commit_turn(
@@ -107,8 +124,8 @@ def commit_turn(
     sampling: Sampling | None = None,
     echo: bytes | None = None,
 ) -> Turn:
-    """Append the planned turn to `segment`: the open segment when `plan.continues`, else a
-    fresh empty one."""
+    """Append the planned turn to `segment`: the chain it continues when `plan.continues`,
+    else a fresh empty one."""
     return _append(segment, plan.new_ids, plan.new_text, generation, completion_id, tokenizer, sampling, echo)
 
 

@@ -137,7 +137,8 @@ class Trajectory:
     session_id: str
     """The episode; all its segments share its group and reward."""
     segment: int
-    """This segment's index in the session: 0, 1, ..., num_segments - 1."""
+    """This segment's index in the session: 0, 1, ..., num_segments - 1, in the order its
+    chains opened (`stitching.py`)."""
     num_segments: int
     """How many segments (trajectories) the session finalized with: a group baseline must see
     the whole session, so the trainer waits for all of them."""
@@ -296,7 +297,7 @@ class StoredTurn:
 
     completion_id: str
     segment: int
-    """The index of the segment the turn joined (a new index: it sealed the one before)."""
+    """The index of the segment (chain) the turn joined; a new index opened a new chain."""
     new_ids: list[int]
     """[P] the prompt ids the request appended before the completion."""
     generation: Generation

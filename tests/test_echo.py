@@ -1,6 +1,6 @@
 """Echo restoration (DESIGN §2, `molt_proxy/echo.py`): an agent that echoes what the proxy
 returned, re-serialised or as it was cut, stays in one segment over the exact sampled ids; a
-real rewrite still seals.
+real rewrite still opens a new segment.
 
 In process: the real app with the real Qwen3 and Llama-3.2 tokenizers, templates and vLLM's
 parsers, in front of the stand-in vLLM answering the sampled ids each test scripts
@@ -190,7 +190,7 @@ def test_qwen3_sorted_keys_and_dropped_whitespace_are_one_segment(qwen3):
 @pytest.mark.parametrize(
     "echo", ['{"city": "Lyon"}', '{"city": "Paris", "unit": "c"}', '{"city": ["Paris"]}']
 )
-def test_qwen3_arguments_that_mean_something_else_seal(qwen3, echo):
+def test_qwen3_arguments_that_mean_something_else_open_a_segment(qwen3, echo):
     first, second, _, history = tool_episode(qwen3, qwen3_call('{"city": "Paris"}'), echo)
     assert qwen3.segments() == [[first["id"]], [second["id"]]]
     [_, new] = qwen3.record()
@@ -198,7 +198,7 @@ def test_qwen3_arguments_that_mean_something_else_seal(qwen3, echo):
     assert prompt == qwen3.tokenizer.encode(qwen3.tokenizer.render(history, [WEATHER_TOOL], {}))
 
 
-def test_qwen3_thinking_continues_in_a_tool_loop_and_seals_where_the_template_drops_it(tmp_path):
+def test_qwen3_thinking_continues_in_a_tool_loop_and_opens_a_segment_where_the_template_drops_it(tmp_path):
     with served("qwen3", tmp_path / "thinking.db", reasoning_parser="qwen3") as proxy:
         # Sampled without the newlines the template writes around reasoning: the echo view
         # maps the re-rendered reply back while the template shows it (a tool loop)...

@@ -66,7 +66,7 @@ def test_llama_five_turn_tool_episode_is_one_exact_segment(llama_model, llama_vl
     _episode_is_one_exact_segment(proxy, llama_model, weather_episode("llama3_json"), "weather-llama")
 
 
-def test_qwen3_think_stripping_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
+def test_qwen3_think_stripping_opens_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
     proxy = start_proxy(
         qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
     )
@@ -84,7 +84,33 @@ def test_qwen3_think_stripping_seals_a_segment_and_both_are_exact(qwen3_model, q
         assert_exact(trajectory, qwen3_model)
 
 
-def test_compacting_agent_seals_a_segment_and_both_are_exact(qwen3_model, qwen3_hermes):
+def test_interleaved_sub_agent_is_a_second_exact_segment(qwen3_model, qwen3_hermes):
+    """A parent and a sub-agent with a system prompt of its own, alternating turns in one
+    session: one chain each, continued over its own sampled ids, both exact."""
+    client = OpenAI(base_url=qwen3_hermes.base_url("interleaved"), api_key="unused")
+    histories = {
+        system: [{"role": "system", "content": system}]
+        for system in ("You plan trips.", "You are a sub-agent that finds flights.")
+    }
+    replies: dict[str, list[Any]] = {system: [] for system in histories}
+    for step in range(4):
+        system = list(histories)[step % 2]
+        history = histories[system]
+        history.append({"role": "user", "content": f"Step {step}: go on."})
+        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, seed=step)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        replies[system].append(reply.id)
+    segments = httpx.get(f"{qwen3_hermes.url}/v1/sessions/interleaved").json()["segments"]
+    assert [s["turns"] for s in segments] == list(replies.values())
+    body = {"session_id": "interleaved", "reward": 0.5}
+    httpx.post(f"{qwen3_hermes.url}/v1/rewards", json=body).raise_for_status()
+    records = recorded(qwen3_hermes, "interleaved")
+    assert [(r["segment"], r["num_segments"], r["reward"]) for r in records] == [(0, 2, 0.5), (1, 2, 0.5)]
+    for record in records:
+        assert_exact(record, qwen3_model)
+
+
+def test_compacting_agent_opens_a_segment_and_both_are_exact(qwen3_model, qwen3_hermes):
     proxy = qwen3_hermes
     client = OpenAI(base_url=proxy.base_url("compactor"), api_key="unused")
     conversation = weather_episode("hermes")

@@ -1,4 +1,4 @@
-"""Stitching on the real Qwen3 tokenizer and template: continue, seal, never double-append."""
+"""Stitching on the real Qwen3 tokenizer and template: continue a chain, open one, never double-append."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def sample(tokenizer: Tokenizer, text: str) -> Generation:
 
 
 def turn(tokenizer, segment, messages, reply_text, tools=None):
-    plan = plan_prompt(segment, tokenizer.render(messages, tools, {}), tokenizer)
+    plan = plan_prompt([] if segment is None else [segment], tokenizer.render(messages, tools, {}), tokenizer)
     target = (
         segment
         if plan.continues and segment is not None
@@ -79,7 +79,7 @@ def test_rewritten_history_starts_a_new_segment_from_the_full_render(tokenizer):
         {"role": "user", "content": "Bye"},
     ]
     rendered = tokenizer.render(messages, None, {})
-    plan = plan_prompt(segment, rendered, tokenizer)
+    plan = plan_prompt([segment], rendered, tokenizer)
     assert not plan.continues and plan.ids == plan.new_ids == tokenizer.encode(rendered)
 
 
@@ -89,9 +89,9 @@ def test_plan_without_commit_leaves_the_segment_unchanged(tokenizer):
     snapshot = (list(segment.token_ids), list(segment.loss_mask), segment.text, len(segment.turns))
     messages += [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}]
     rendered = tokenizer.render(messages, None, {})
-    first = plan_prompt(segment, rendered, tokenizer)  # generation failed: nothing committed
+    first = plan_prompt([segment], rendered, tokenizer)  # generation failed: nothing committed
     assert (segment.token_ids, segment.loss_mask, segment.text, len(segment.turns)) == snapshot
-    retry = plan_prompt(segment, rendered, tokenizer)
+    retry = plan_prompt([segment], rendered, tokenizer)
     assert retry == first
 
 
@@ -107,8 +107,38 @@ def test_a_segment_cut_inside_a_character_does_not_continue(tokenizer):
 
     partial = next(i for i in range(tokenizer.hf.vocab_size) if is_partial(i))  # a lone UTF-8 lead byte
     messages = [{"role": "user", "content": "Price?"}]
-    plan = plan_prompt(None, tokenizer.render(messages, None, {}), tokenizer)
+    plan = plan_prompt([], tokenizer.render(messages, None, {}), tokenizer)
     segment = Segment(index=0)
     commit_turn(segment, plan, Generation([partial], [-1.0], [0], "length"), "c0", tokenizer)
     messages += [{"role": "assistant", "content": "\ufffd"}, {"role": "user", "content": "ok"}]
-    assert not plan_prompt(segment, tokenizer.render(messages, None, {}), tokenizer).continues
+    assert not plan_prompt([segment], tokenizer.render(messages, None, {}), tokenizer).continues
+
+
+def test_a_render_continues_the_chain_it_extends_furthest(tokenizer):
+    def render(messages: list[dict]) -> str:
+        return tokenizer.render(messages, None, {})
+
+    question = [{"role": "system", "content": "Lead."}, {"role": "user", "content": "Hi"}]
+    _, first = turn(tokenizer, None, question, "Hello!")
+    sub = [{"role": "system", "content": "Sub."}, question[1]]
+    _, other = turn(tokenizer, first, sub, "Yes?")  # extends no chain: a new one, index 1
+    history = [*question, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More"}]
+    longer = Segment(index=2)  # `first` and one more turn: both chains are prefixes of the next render
+    for messages, reply in ((question, "Hello!"), (history, "Sure.")):
+        plan = plan_prompt([longer] if longer.turns else [], render(messages), tokenizer)
+        commit_turn(longer, plan, sample(tokenizer, reply), f"c{len(longer.turns)}", tokenizer)
+    chains = [first, other, longer]
+    assert [c.index for c in chains] == [0, 1, 2] and longer.text.startswith(first.text)
+    further = [*history, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Done"}]
+    assert plan_prompt(chains, render(further), tokenizer).segment == 2
+    elsewhere = [*history[:-1], {"role": "user", "content": "Less"}]
+    assert plan_prompt(chains, render(elsewhere), tokenizer).segment == 0
+    more_sub = [*sub, {"role": "assistant", "content": "Yes?"}, {"role": "user", "content": "Go"}]
+    plan = plan_prompt(chains, render(more_sub), tokenizer)
+    assert plan.segment == 1 and plan.ids == other.token_ids + plan.new_ids
+    opened = plan_prompt(chains, render([{"role": "user", "content": "New"}]), tokenizer)
+    assert (
+        opened.segment is None
+        and not opened.continues
+        and opened.ids == tokenizer.encode(render([{"role": "user", "content": "New"}]))
+    )

@@ -129,7 +129,7 @@ async def _record(store: Store, tokenizer: Tokenizer, seed: int = 0) -> Sessions
             generation = Generation(
                 sampled, [_float32(-rng.expovariate(2.0)) for _ in sampled], [t] * len(sampled), "stop"
             )
-            plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), continues=t > 0)
+            plan = PromptPlan(prompt, prompt, tokenizer.ids_bytes(prompt), 0 if t > 0 else None)
             reply = RecordedReply(
                 f"c{i}-{t}", 0, "tiny", ParsedReply("ok"), "stop", len(prompt), len(sampled)
             )
@@ -224,7 +224,7 @@ def test_restart_rebuilds_the_open_sessions_from_one_query_of_their_turns(tmp_pa
                 (s.index, s.token_ids, s.loss_mask, s.logprobs, s.weight_versions, s.turns)
                 for s in old.segments
             ]
-            assert new.last_request_hash == old.last_request_hash
+            assert {i: h for i, (h, _) in new.last.items()} == {i: h for i, (h, _) in old.last.items()}
         assert after.find("s0") is None
         await store.close()
 
@@ -365,8 +365,9 @@ def test_a_turn_an_older_proxy_stored_with_its_openai_reply_is_replayed_the_same
         sessions = Sessions(store, tokenizer, "tiny")
         await sessions.recover()
         session = sessions.get("s")
-        assert session.last_reply is not None and session.last_reply.finish_reason == "stop"
-        assert encode_reply(session.last_reply, "s", tokenizer.token_bytes) == old_reply
+        [(_, last_reply)] = session.last.values()
+        assert last_reply is not None and last_reply.finish_reason == "stop"
+        assert encode_reply(last_reply, "s", tokenizer.token_bytes) == old_reply
         assert session.call_ids == {"call-1"}
         await store.close()
 

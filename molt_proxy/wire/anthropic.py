@@ -8,11 +8,11 @@ its chat request (`AnthropicServingMessages.to_chat_completion_request`), with t
 
 - `system` text blocks are joined with a blank line; a block that starts with Claude Code's
   `x-anthropic-billing-header` is dropped, as vLLM drops it: it holds a per-request hash that
-  would rewrite the prompt's first line every turn and seal every segment.
+  would rewrite the prompt's first line every turn and open a new segment at every turn.
 - A `role: "system"` message before the first user or assistant message joins the system
   prompt. One later in `messages` becomes a user message with the same text, in place: every
   chat template accepts that (Qwen3's refuses a system message after the first), and it never
-  rewrites the history before it (moving it into the system prompt would seal the segment).
+  rewrites the history before it (moving it into the system prompt would open a new segment).
 - `tool_use.input` reaches the template as the object it is (templates print it with `tojson`,
   as for any dict arguments); `thinking` blocks become `reasoning_content`; `redacted_thinking`
   is opaque and dropped; `tool_result` blocks become tool messages, in order.
