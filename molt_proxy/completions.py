@@ -145,7 +145,6 @@ class Completions:
                     if isinstance(item, Generation):
                         generation = item
                         break
-                    # before `feed`, which may pop a held-back stop id off `item.token_ids`
                     shown = shown_logprobs(conversation.top_logprobs, item)
                     delta = reply_stream.feed(item.token_ids)
                     if delta is not None or shown is not None:

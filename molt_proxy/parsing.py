@@ -161,8 +161,8 @@ class ReplyStream:
         if self._held_id is not None:
             ids = [self._held_id, *ids]
             self._held_id = None
-        if ids and ids[-1] in self.stop_ids:
-            self._held_id = ids.pop()
+        if ids and ids[-1] in self.stop_ids:  # held back without touching the caller's list
+            self._held_id, ids = ids[-1], ids[:-1]
         return self._advance(ids, finished=False)
 
     def finish(self, finish_reason: str) -> DeltaMessage | None:

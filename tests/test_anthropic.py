@@ -401,3 +401,29 @@ def test_side_request_rules_are_configurable():
     assert parser().parse_args(["serve", "--model", "m", "--side-request"]).side_request == []
     with pytest.raises(ValueError, match="not a regular expression"):
         Settings(model="m", side_requests=["("])
+
+
+def test_claude_codes_session_puts_its_main_agent_and_a_sub_agent_in_one_session_as_two_chains(proxy):
+    """Claude Code names its own session in `metadata.user_id`, which its sub-agents (the Task
+    tool) share; a sub-agent has a system prompt of its own. Interleaved, the two conversations
+    are one session and two chains, each holding its own turns in order."""
+    metadata = {"user_id": json.dumps({"device_id": "d", "session_id": "cc-chains"})}
+    sdk = client(proxy)
+
+    def turn(system: str, users: list[str]) -> str:
+        messages: list[dict[str, Any]] = []
+        for i, text in enumerate(users):
+            if i:
+                messages.append({"role": "assistant", "content": REPLY_TEXT})
+            messages.append({"role": "user", "content": text})
+        message = sdk.messages.create(
+            model="tiny", max_tokens=8, system=system, messages=messages, metadata=metadata
+        )
+        return "chatcmpl-" + message.id.removeprefix("msg_")
+
+    main = [turn("You are the main agent.", ["Fix the bug."])]
+    sub = [turn("You are a sub-agent.", ["Find the bug."])]
+    main.append(turn("You are the main agent.", ["Fix the bug.", "Go on."]))
+    sub.append(turn("You are a sub-agent.", ["Find the bug.", "Go on."]))
+    described = httpx.get(f"{proxy}/v1/sessions/cc-chains", timeout=10).json()
+    assert [s["turns"] for s in described["segments"]] == [main, sub]
