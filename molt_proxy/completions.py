@@ -1,9 +1,10 @@
 """One chat turn, end to end: render → session → stitch → generate → parse → record → reply.
 
 This is the data path of DESIGN §2; everything it calls is pure or owned by one module.
-A turn runs inside `Sessions.turn`, under its session's lock, so a session's turns never
-interleave. The whole and the streamed reply share their opening (`_turn`: render, session,
-replay of a retry) and their closing (`_finish`: the reply recorded in neutral form). Neither what goes
+A turn runs inside `Turns.open`, which admits it once no turn it must wait for is in flight:
+turns on one chain run one after the other, turns on different chains of a session at once.
+The whole and the streamed reply share their opening (`_turn`: render, session, replay of a
+retry) and their closing (`_finish`: the reply recorded in neutral form). Neither what goes
 in nor what comes out is in a wire format: the route decodes a request into a `Conversation`
 (`conversation.py`) and encodes the events (`wire/events.py`).
 
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
-from molt_proxy.auth import SESSION_KEY_PREFIX, may_use
 from molt_proxy.conversation import Conversation
 from molt_proxy.echo import Find, Rendered, echo_view, restore
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
@@ -34,8 +34,9 @@ from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
 from molt_proxy.session import Attempt, Caller, OpenTurn
 from molt_proxy.sessions import Sessions
-from molt_proxy.stitching import PromptPlan, continued, plan_prompt
+from molt_proxy.stitching import PromptPlan, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.turns import Turns
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, Sampling, Segment, TokenLogprobs
 from molt_proxy.upstream import TokenDelta
 from molt_proxy.wire.events import Answer, Closed, Delta, Opened, Replayed, StreamEvent
@@ -83,6 +84,7 @@ class Completions:
         served_model_name: str | None = None,
     ):
         self.sessions = sessions
+        self.turns = Turns(sessions)
         self.tokenizer = tokenizer
         self.parser = parser
         self.replicas = replicas
@@ -162,8 +164,8 @@ class Completions:
         """How many prompt ids a turn for this request would send now: the same render and
         stitching plan against the chains of the session it would join, without sampling,
         recording or creating a session (Anthropic's `count_tokens`)."""
-        rendered = await self._render(conversation, body, self.sessions.returned_to(caller))
-        segments = joined_segments(self.sessions, caller, rendered.text.encode())
+        rendered = await self._render(conversation, body, self.turns.returned_to(caller))
+        segments = self.turns.joined_segments(caller, rendered.text.encode())
         return len((await self._plan(segments, rendered.text, body)).ids)
 
     @asynccontextmanager
@@ -174,8 +176,8 @@ class Completions:
         proxy returned (`echo.py`), and open its session's turn (`turn.replay` says whether
         `attempt` retries a request answered), which the end of the block closes. Yields the
         turn and the render."""
-        rendered = await self._render(conversation, body, self.sessions.returned_to(caller))
-        async with self.sessions.turn(caller, rendered.text.encode(), conversation.call_ids, attempt) as turn:
+        rendered = await self._render(conversation, body, self.turns.returned_to(caller))
+        async with self.turns.open(caller, rendered.text.encode(), conversation.call_ids, attempt) as turn:
             yield turn, rendered
 
     async def _prepare(
@@ -183,7 +185,7 @@ class Completions:
     ) -> Prepared:
         """The prompt ids (continuing one of the session's chains or opening one), the model and
         the sampling."""
-        plan = await self._plan(turn.session.segments, rendered.text, body)
+        plan = await self._plan(turn.segments, rendered.text, body)
         model = await self.replicas.model()
         max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
         requested = {**conversation.sampling, "max_tokens": max_tokens}
@@ -261,36 +263,11 @@ class Completions:
         return rendered
 
     async def _plan(self, segments: list[Segment], rendered: str, body: bytes) -> PromptPlan:
-        """`plan_prompt`, in a worker thread for a large request. It runs under the session's
-        lock, which only this turn can change the segments under; a token count, which holds
-        no lock, plans on a copy of the list."""
+        """`plan_prompt` on the chains the turn was admitted with (its claim keeps the ones it
+        may continue unchanged), in a worker thread for a large request."""
         if len(body) < OFF_LOOP_BYTES:
             return plan_prompt(segments, rendered, self.tokenizer)
-        return await asyncio.to_thread(plan_prompt, list(segments), rendered, self.tokenizer)
-
-
-def joined_segments(sessions: Sessions, caller: Caller, rendered: bytes) -> list[Segment]:
-    """The chains of the session a turn for `caller` would join, read without waiting, locking
-    or creating anything (a token count): the named session's (or its key's), else those of
-    the inferred session of its owner one of whose chains `rendered` continues furthest (as
-    `Sessions.turn` picks). Empty: a new session."""
-    named = caller.session_id
-    if named is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
-        keyed = sessions.by_key(caller.api_key)
-        named = keyed.id if keyed is not None else None
-    if named is not None:
-        session = sessions.find(named)
-        visible = session is not None and may_use(caller.principal, session.id, session.owner)
-        return session.segments if session is not None and visible else []
-    best: list[Segment] = []
-    longest = 0
-    for session in sessions.open_sessions():
-        if not session.inferred or session.owner != caller.principal.owner:
-            continue
-        chains = continued(session.segments, rendered)
-        if chains and chains[0][0] > longest:
-            best, longest = session.segments, chains[0][0]
-    return best
+        return await asyncio.to_thread(plan_prompt, segments, rendered, self.tokenizer)
 
 
 def shown_logprobs(asked: int | None, sampled: Generation | TokenDelta) -> list[TokenLogprobs] | None:

@@ -3,7 +3,7 @@ proxy's parts (`proxy.py`) and encode the answer. Errors are raised as domain er
 mapped to HTTP once, in `app.py`.
 
 A new API format is one decoder and encoder under `wire/` and one route here; the turn
-itself (`Completions`, `Sessions.turn`) is shared.
+itself (`Completions`, `Turns.open`) is shared.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _proxy(request: Request) -> Proxy:
 class EventStream(StreamingResponse):
     """A streamed turn's events, closed when the response ends, however it ends. Starlette
     leaves an unfinished body iterator to the garbage collector, and a turn's events hold its
-    session's lock: a client that left must not keep the session busy until a collection."""
+    claim on its session: a client that left must not keep its chain busy until a collection."""
 
     def __init__(self, first: str, events: AsyncGenerator[str]):
         super().__init__(_relay(first, events), media_type="text/event-stream")

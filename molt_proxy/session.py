@@ -1,12 +1,15 @@
-"""One session in memory: its segments (chains, all open), its lock, the replies a retry
-gets, the hints a request names it by, and a turn open on it. State only; the registry that
-creates, finds and closes sessions is `sessions.py`."""
+"""One session in memory: its segments (chains, all open), the turns in flight on them
+(`Claim`), the replies a retry gets, the hints a request names it by, and a turn open on it.
+State only; the registry that creates, finds and closes sessions is `sessions.py`, and which
+session and chain a request joins is `turns.py`."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 from array import array
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +50,19 @@ class Attempt:
     and a body identical to the last request's is taken for a retry."""
 
 
+@dataclass(slots=True, eq=False)
+class Claim:
+    """A turn in flight on its session: the chains its render continues (it appends to one of
+    them) and the render itself. A request that could continue one of those chains, or whose
+    render extends this one, must wait for it (`Session.blocking`), because the turn changes
+    what that request continues: a retry then finds its reply, and the same history sent twice
+    forks a chain exactly as it would sent one after the other."""
+
+    chains: frozenset[int]
+    rendered: bytes
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @dataclass(slots=True)
 class Session:
     id: str
@@ -65,6 +81,9 @@ class Session:
     """Its chains, in the order they opened (`Segment.index`); every one may still be continued
     (`stitching.plan_prompt`)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while a turn is stored and committed, a reward set or the session closed: short
+    sections, never a generation (turns in flight are `in_flight`)."""
+    in_flight: list[Claim] = field(default_factory=list)
     last: dict[int, tuple[str, RecordedReply | None]] = field(default_factory=dict)
     """Segment index → the hash of the last request its chain answered and its reply, the
     chain answered last last: a byte-identical retry gets the latest such reply (a chain's
@@ -72,6 +91,33 @@ class Session:
     keyed: dict[str, tuple[str, RecordedReply]] = field(default_factory=dict)
     """Idempotency key → the request hash and reply of the turn recorded under it."""
     closed: bool = False
+
+    def blocking(self, rendered: bytes, chains: frozenset[int]) -> Claim | None:
+        """A turn in flight that a request continuing `chains` with `rendered` must wait for."""
+        return next((c for c in self.in_flight if c.chains & chains or rendered.startswith(c.rendered)), None)
+
+    def claim(self, rendered: bytes, chains: frozenset[int]) -> Claim:
+        claim = Claim(chains, rendered)
+        self.in_flight.append(claim)
+        return claim
+
+    def release(self, claim: Claim) -> None:
+        self.in_flight.remove(claim)
+        claim.done.set()
+
+    @asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        """No turn in flight until the block ends (closing the session): the turns in flight
+        end first, and requests that arrive meanwhile wait, since every render extends the
+        empty one this claims."""
+        earlier = list(self.in_flight)
+        claim = self.claim(b"", frozenset())
+        try:
+            for turn in earlier:
+                await turn.done.wait()
+            yield
+        finally:
+            self.release(claim)
 
     def answered(
         self, segment: int, request_hash: str, idempotency_key: str | None, reply: RecordedReply | None
@@ -157,12 +203,15 @@ def default_group(session: Session) -> str:
 
 @dataclass(slots=True)
 class OpenTurn:
-    """A turn in progress on its session, which stays locked while the turn is open
-    (`Sessions.turn`). Format-agnostic: a wire format brings the render and encodes the reply."""
+    """A turn in progress on its session, holding its claim until it ends (`Turns.open`).
+    Format-agnostic: a wire format brings the render and encodes the reply."""
 
     sessions: Sessions
     session: Session
     attempt: Attempt
+    segments: list[Segment]
+    """The session's chains when the turn was admitted: it plans on these (`plan_prompt`); its
+    claim keeps the ones it may continue unchanged until it ends."""
 
     @property
     def replay(self) -> RecordedReply | None:

@@ -1,18 +1,10 @@
-"""Sessions: identification, per-session locks, segments, rewards (DESIGN §3).
+"""Sessions: the registry of open sessions, their turns' records, rewards and closing (DESIGN §3).
 
 A session is one agent episode. It holds its segments (chains: a request continues the one
-its render extends, `stitching.py`), a lock that serialises its turns (all chains' turns
-alike: which chain a request continues is known only once it plans under the lock), and the
-requests it answered (for idempotent retries). The registry is in memory and mirrored in the
-store; `recover` rebuilds it after a restart.
-A turn runs in `async with sessions.turn(...)`, which holds the session's lock until it ends.
-
-A request without a session id joins the inferred session one of whose chains its render
-(its echoes restored: `returned_to`, `echo.py`) continues furthest, or starts a new one. Sessions
-whose histories render alike (N attempts at one task, sampled alike) are told apart by the
-tool-call ids the proxy minted for their replies, which the agent echoes but the template may
-not print; failing that, a request takes an idle one, so each attempt keeps a session of its
-own (truly identical histories are interchangeable: same tokens, same record).
+its render extends, `stitching.py`), the turns in flight on them and the requests it answered
+(for idempotent retries). The registry is in memory and mirrored in the store; `recover`
+rebuilds it after a restart. Which session and chain a request joins, and when its turn may
+run, is `turns.py`.
 """
 
 from __future__ import annotations
@@ -21,15 +13,13 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-from molt_proxy.auth import OPEN, SESSION_KEY_PREFIX, Principal, key_id, may_use
-from molt_proxy.echo import Find, Returned
-from molt_proxy.errors import Conflict, Forbidden, NotFound, Unauthorized
-from molt_proxy.session import Attempt, Caller, OpenTurn, Session
-from molt_proxy.stitching import PromptPlan, TokenText, commit_to, continued, segment_index
+from molt_proxy.auth import OPEN, Principal, key_id, may_use
+from molt_proxy.echo import Returned
+from molt_proxy.errors import Conflict, NotFound
+from molt_proxy.session import Session
+from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
     Generation,
@@ -159,70 +149,7 @@ class Sessions:
         self._register(session)
         return session
 
-    @asynccontextmanager
-    async def turn(
-        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], attempt: Attempt
-    ) -> AsyncIterator[OpenTurn]:
-        """The session `caller` names (or `rendered` continues), locked for one turn and
-        released when the turn ends, however it ends."""
-        session = await self._acquire(caller, rendered, call_ids)
-        try:
-            yield OpenTurn(self, session, attempt)
-        finally:
-            session.lock.release()
-
-    async def _acquire(self, caller: Caller, rendered: bytes, call_ids: frozenset[str]) -> Session:
-        """The session a chat request belongs to, locked for the turn: by id (path, header or
-        metadata; created on first use), by a session-scoped key, or inferred from `rendered`
-        and the tool-call ids its messages echo, among the sessions of the same owner. A
-        session its principal may not use is refused. Only `turn` calls it: it releases the lock."""
-        group_id, principal = caller.group_id, caller.principal
-        session_id = self._named(caller)
-        if session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
-            raise Unauthorized("unknown or closed session key")
-        if session_id is None:
-            session = await self._continued(rendered, call_ids, principal.owner)
-            if session is None:
-                session = await self.create(group_id=group_id, owner=principal.owner, inferred=True)
-                await session.lock.acquire()
-        else:
-            session = await self._open_or_create(session_id, group_id, principal.owner)
-            await session.lock.acquire()
-        if not may_use(principal, session.id, session.owner):
-            session.lock.release()  # checked under the lock: a racing creator may own it
-            raise Forbidden(f"session {session.id!r} belongs to another key", param="session_id")
-        if session.closed or (group_id is not None and group_id != session.group_id):
-            session.lock.release()
-            if session.closed:
-                raise Conflict(f"session {session.id!r} is closed", param="session_id")
-            raise Conflict(
-                f"session {session.id!r} is in group {session.group_id!r}, not {group_id!r}",
-                param="X-Group-Id",
-            )
-        return session
-
-    def _named(self, caller: Caller) -> str | None:
-        """The session id a request names (path, header or metadata) or its session key stands
-        for; None: neither (an unknown session key included)."""
-        if caller.session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
-            return self._by_key.get(key_id(caller.api_key))
-        return caller.session_id
-
-    def returned_to(self, caller: Caller) -> Find:
-        """Where the echoes in `caller`'s request are looked up (`echo.restore`): the session it
-        names, else the inferred sessions of its owner, which it may join."""
-        named = self._named(caller)
-        if named is not None:
-            return self.returned.of_session(named)
-        owner = caller.principal.owner
-
-        def joinable(session_id: str) -> bool:
-            session = self._open.get(session_id)
-            return session is not None and session.inferred and session.owner == owner
-
-        return self.returned.among(joinable)
-
-    async def _open_or_create(self, session_id: str, group_id: str | None, owner: str | None) -> Session:
+    async def open_or_create(self, session_id: str, group_id: str | None, owner: str | None) -> Session:
         """The open session `session_id`, created if it is new. Concurrent first requests that
         name one new id all get the one session: the first creates it, the others wait for that
         and look again (if it failed, for a reason such as a closed session, they fail alike)."""
@@ -232,37 +159,6 @@ class Sessions:
                 return await self.create(session_id, group_id, owner=owner)
             await creating.wait()
         return session
-
-    async def _continued(
-        self, rendered: bytes, call_ids: frozenset[str], owner: str | None
-    ) -> Session | None:
-        """The inferred session one of whose chains `rendered` continues furthest, locked;
-        None if none does. Among equal candidates the one whose tool calls the request echoes
-        wins, then an idle one; if the best are all busy, wait for one to finish its turn and
-        look again, since that turn changes its history. Only `owner`'s sessions are candidates:
-        one agent key's conversation never joins another's."""
-        while True:
-            candidates: list[Session] = []
-            longest = 0
-            for session in self._open.values():
-                if not session.inferred or session.owner != owner:
-                    continue
-                chains = continued(session.segments, rendered)
-                matched = chains[0][0] if chains else None
-                if matched is not None and matched >= longest:
-                    if matched > longest:
-                        candidates, longest = [], matched
-                    candidates.append(session)
-            if not candidates:
-                return None
-            echoed = max(len(s.call_ids & call_ids) for s in candidates)
-            candidates = [s for s in candidates if len(s.call_ids & call_ids) == echoed]
-            idle = next((s for s in candidates if not s.lock.locked()), None)
-            if idle is not None:
-                await idle.lock.acquire()  # free: returns without yielding to other requests
-                return idle
-            async with candidates[0].lock:
-                pass
 
     def find(self, session_id: str) -> Session | None:
         return self._open.get(session_id)
@@ -320,7 +216,7 @@ class Sessions:
 
     def idle_since(self, cutoff: float) -> list[str]:
         """Open sessions with no turn since `cutoff` (for the TTL)."""
-        return [s.id for s in self._open.values() if s.last_active < cutoff and not s.lock.locked()]
+        return [s.id for s in self._open.values() if s.last_active < cutoff and not s.in_flight]
 
     async def record(
         self,
@@ -340,31 +236,32 @@ class Sessions:
 
         Store first: if the write fails, memory is untouched and the request fails whole.
         """
-        index = segment_index(session.segments, plan)
-        stored = StoredTurn(
-            reply.completion_id,
-            index,
-            plan.new_ids,
-            generation,
-            time.time(),
-            request_hash,
-            reply,
-            sampling=sampling,
-            idempotency_key=idempotency_key,
-            echo=echo,
-        )
-        await self.store.record_turn(session.id, stored)
-        turn = commit_to(
-            session.segments,
-            index,
-            plan.new_ids,
-            plan.new_text,
-            generation,
-            reply.completion_id,
-            self.tokenizer,
-            sampling,
-            echo,
-        )
+        async with session.lock:  # one turn at a time: a new chain takes the next index
+            index = segment_index(session.segments, plan)
+            stored = StoredTurn(
+                reply.completion_id,
+                index,
+                plan.new_ids,
+                generation,
+                time.time(),
+                request_hash,
+                reply,
+                sampling=sampling,
+                idempotency_key=idempotency_key,
+                echo=echo,
+            )
+            await self.store.record_turn(session.id, stored)
+            turn = commit_to(
+                session.segments,
+                index,
+                plan.new_ids,
+                plan.new_text,
+                generation,
+                reply.completion_id,
+                self.tokenizer,
+                sampling,
+                echo,
+            )
         turn.created = stored.created
         session.answered(index, request_hash, idempotency_key, reply)
         session.last_active = stored.created
@@ -382,7 +279,7 @@ class Sessions:
             if known is None:
                 raise unknown_session(session_id)
             raise Conflict(f"session {session_id!r} is already closed", param="session_id")
-        async with session.lock:
+        async with session.alone(), session.lock:
             if session.closed:
                 raise Conflict(f"session {session_id!r} is already closed", param="session_id")
             now = time.time()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -85,23 +86,25 @@ def test_qwen3_think_stripping_opens_a_segment_and_both_are_exact(qwen3_model, q
 
 
 def test_interleaved_sub_agent_is_a_second_exact_segment(qwen3_model, qwen3_hermes):
-    """A parent and a sub-agent with a system prompt of its own, alternating turns in one
-    session: one chain each, continued over its own sampled ids, both exact."""
+    """A parent and a sub-agent with a system prompt of its own, sending their turns at the
+    same time in one session: one chain each, sampled concurrently, continued over its own
+    sampled ids, both exact."""
     client = OpenAI(base_url=qwen3_hermes.base_url("interleaved"), api_key="unused")
-    histories = {
-        system: [{"role": "system", "content": system}]
-        for system in ("You plan trips.", "You are a sub-agent that finds flights.")
-    }
-    replies: dict[str, list[Any]] = {system: [] for system in histories}
-    for step in range(4):
-        system = list(histories)[step % 2]
-        history = histories[system]
-        history.append({"role": "user", "content": f"Step {step}: go on."})
-        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, seed=step)
-        history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        replies[system].append(reply.id)
+
+    def agent(system: str) -> list[str]:
+        history: list[Any] = [{"role": "system", "content": system}]
+        replies = []
+        for step in range(2):
+            history.append({"role": "user", "content": f"Step {step}: go on."})
+            reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, seed=step)
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+            replies.append(reply.id)
+        return replies
+
+    with ThreadPoolExecutor(2) as pool:
+        chains = list(pool.map(agent, ["You plan trips.", "You are a sub-agent that finds flights."]))
     segments = httpx.get(f"{qwen3_hermes.url}/v1/sessions/interleaved").json()["segments"]
-    assert [s["turns"] for s in segments] == list(replies.values())
+    assert sorted(s["turns"] for s in segments) == sorted(chains)
     body = {"session_id": "interleaved", "reward": 0.5}
     httpx.post(f"{qwen3_hermes.url}/v1/rewards", json=body).raise_for_status()
     records = recorded(qwen3_hermes, "interleaved")

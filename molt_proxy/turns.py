@@ -1,0 +1,164 @@
+"""Which session and chain a request's turn joins, and when it may run (DESIGN §3).
+
+A request names its session (path, header or metadata; created on first use) or stands for
+one by its session key. Naming none, it joins the inferred session of its owner one of whose
+chains its render (its echoes restored: `returned_to`, `echo.py`) continues furthest, or
+starts a new one. Sessions whose histories render alike (N attempts at one task, sampled
+alike) are told apart by the tool-call ids the proxy minted for their replies, which the agent
+echoes but the template may not print; failing that, a request takes an idle one, so each
+attempt keeps a session of its own (truly identical histories are interchangeable: same
+tokens, same record).
+
+Turns on different chains of one session run concurrently (a sub-agent beside its parent);
+turns on one chain run one after the other. A turn in flight holds a `Claim` (`session.py`)
+on the chains its render continues and on the render itself; a request it blocks waits for it
+to end and looks again, since the turn changes what that request continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from molt_proxy.auth import SESSION_KEY_PREFIX, key_id, may_use
+from molt_proxy.echo import Find
+from molt_proxy.errors import Conflict, Forbidden, Unauthorized
+from molt_proxy.session import Attempt, Caller, Claim, OpenTurn, Session
+from molt_proxy.sessions import Sessions
+from molt_proxy.stitching import continued
+from molt_proxy.types import Segment
+
+
+def continued_chains(segments: list[Segment], rendered: bytes) -> frozenset[int]:
+    """The indices of the chains `rendered` continues: the turn appends to one of them."""
+    return frozenset(segment.index for _, segment in continued(segments, rendered))
+
+
+class Turns:
+    """Admits turns to the sessions of a registry."""
+
+    def __init__(self, sessions: Sessions):
+        self.sessions = sessions
+
+    @asynccontextmanager
+    async def open(
+        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], attempt: Attempt
+    ) -> AsyncIterator[OpenTurn]:
+        """A turn on the session `caller` names (or `rendered` continues), admitted once no
+        turn it must wait for is in flight; its claim is released when the turn ends, however
+        it ends."""
+        session, claim = await self._join(caller, rendered, call_ids)
+        try:
+            yield OpenTurn(self.sessions, session, attempt, list(session.segments))
+        finally:
+            session.release(claim)
+
+    async def _join(self, caller: Caller, rendered: bytes, call_ids: frozenset[str]) -> tuple[Session, Claim]:
+        """The session a chat request belongs to and its claim there: by id (path, header or
+        metadata; created on first use), by a session-scoped key, or inferred from `rendered`
+        and the tool-call ids its messages echo, among the sessions of the same owner. A
+        session its principal may not use, or a closed one, is refused."""
+        group_id, principal = caller.group_id, caller.principal
+        session_id = self.named(caller)
+        if session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+            raise Unauthorized("unknown or closed session key")
+        if session_id is None:
+            session = await self._continued(rendered, call_ids, principal.owner)
+            if session is None:
+                session = await self.sessions.create(group_id=group_id, owner=principal.owner, inferred=True)
+        else:
+            session = await self.sessions.open_or_create(session_id, group_id, principal.owner)
+        if not may_use(principal, session.id, session.owner):
+            raise Forbidden(f"session {session.id!r} belongs to another key", param="session_id")
+        if group_id is not None and group_id != session.group_id:
+            raise Conflict(
+                f"session {session.id!r} is in group {session.group_id!r}, not {group_id!r}",
+                param="X-Group-Id",
+            )
+        return session, await self._claim(session, rendered)
+
+    async def _claim(self, session: Session, rendered: bytes) -> Claim:
+        """Wait for every turn in flight that `rendered` must wait for (`Session.blocking`),
+        then claim the chains it continues; a session closed meanwhile is refused."""
+        while True:
+            if session.closed:
+                raise Conflict(f"session {session.id!r} is closed", param="session_id")
+            chains = continued_chains(session.segments, rendered)
+            blocking = session.blocking(rendered, chains)
+            if blocking is None:
+                return session.claim(rendered, chains)
+            await blocking.done.wait()
+
+    def named(self, caller: Caller) -> str | None:
+        """The session id a request names (path, header or metadata) or its session key stands
+        for; None: neither (an unknown session key included)."""
+        if caller.session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
+            keyed = self.sessions.by_key_id(key_id(caller.api_key))
+            return keyed.id if keyed is not None else None
+        return caller.session_id
+
+    def returned_to(self, caller: Caller) -> Find:
+        """Where the echoes in `caller`'s request are looked up (`echo.restore`): the session it
+        names, else the inferred sessions of its owner, which it may join."""
+        named = self.named(caller)
+        returned = self.sessions.returned
+        if named is not None:
+            return returned.of_session(named)
+        owner = caller.principal.owner
+
+        def joinable(session_id: str) -> bool:
+            session = self.sessions.find(session_id)
+            return session is not None and session.inferred and session.owner == owner
+
+        return returned.among(joinable)
+
+    async def _continued(
+        self, rendered: bytes, call_ids: frozenset[str], owner: str | None
+    ) -> Session | None:
+        """The inferred session one of whose chains `rendered` continues furthest, with no turn
+        in flight that the request must wait for (`_claim` then claims it at once); None if
+        none continues. Among equal candidates the one whose tool calls the request echoes
+        wins, then a free one; if the best must all wait, wait for one such turn to end and
+        look again, since it changes that history. Only `owner`'s sessions are candidates: one
+        agent key's conversation never joins another's."""
+        while True:
+            candidates = self._furthest(rendered, owner)
+            if not candidates:
+                return None
+            echoed = max(len(s.call_ids & call_ids) for s in candidates)
+            candidates = [s for s in candidates if len(s.call_ids & call_ids) == echoed]
+            blocking: Claim | None = None
+            for session in candidates:
+                blocking = session.blocking(rendered, continued_chains(session.segments, rendered))
+                if blocking is None:
+                    return session
+            assert blocking is not None
+            await blocking.done.wait()
+
+    def _furthest(self, rendered: bytes, owner: str | None) -> list[Session]:
+        """`owner`'s inferred sessions one of whose chains `rendered` continues furthest."""
+        candidates: list[Session] = []
+        longest = 0
+        for session in self.sessions.open_sessions():
+            if not session.inferred or session.owner != owner:
+                continue
+            chains = continued(session.segments, rendered)
+            matched = chains[0][0] if chains else None
+            if matched is not None and matched >= longest:
+                if matched > longest:
+                    candidates, longest = [], matched
+                candidates.append(session)
+        return candidates
+
+    def joined_segments(self, caller: Caller, rendered: bytes) -> list[Segment]:
+        """The chains of the session a turn for `caller` would join, read without waiting,
+        claiming or creating anything (a token count): the named session's (or its key's),
+        else those of the inferred session of its owner one of whose chains `rendered`
+        continues furthest. Empty: a new session."""
+        named = self.named(caller)
+        if named is not None:
+            session = self.sessions.find(named)
+            visible = session is not None and may_use(caller.principal, session.id, session.owner)
+            return list(session.segments) if session is not None and visible else []
+        candidates = self._furthest(rendered, caller.principal.owner)
+        return list(candidates[0].segments) if candidates else []
