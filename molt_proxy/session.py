@@ -146,6 +146,18 @@ class Session:
         answered = reversed(self.last.values())
         return next((reply for hashed, reply in answered if hashed == attempt.request_hash), None)
 
+    def answered_retry(self, attempt: Attempt) -> bool:
+        """Whether `attempt` says it retries a request (`Idempotency-Key`, or a retry count above
+        0) that this session answered: how a retry without a session id finds its session,
+        since its history no longer continues the chain its first try extended. A request that
+        does not say so is never taken for another session's retry (N attempts at one task
+        send identical first requests)."""
+        if attempt.idempotency_key is not None:
+            return attempt.idempotency_key in self.keyed
+        return attempt.retry is True and any(
+            hashed == attempt.request_hash for hashed, _ in self.last.values()
+        )
+
     def describe(self) -> dict[str, Any]:
         return {
             "session_id": self.id,

@@ -47,23 +47,25 @@ class Turns:
         """A turn on the session `caller` names (or `rendered` continues), admitted once no
         turn it must wait for is in flight; its claim is released when the turn ends, however
         it ends."""
-        session, claim = await self._join(caller, rendered, call_ids)
+        session, claim = await self._join(caller, rendered, call_ids, attempt)
         try:
             yield OpenTurn(self.sessions, session, attempt, list(session.segments))
         finally:
             session.release(claim)
 
-    async def _join(self, caller: Caller, rendered: bytes, call_ids: frozenset[str]) -> tuple[Session, Claim]:
+    async def _join(
+        self, caller: Caller, rendered: bytes, call_ids: frozenset[str], attempt: Attempt
+    ) -> tuple[Session, Claim]:
         """The session a chat request belongs to and its claim there: by id (path, header or
-        metadata; created on first use), by a session-scoped key, or inferred from `rendered`
-        and the tool-call ids its messages echo, among the sessions of the same owner. A
-        session its principal may not use, or a closed one, is refused."""
+        metadata; created on first use), by a session-scoped key, or inferred (`_inferred`)
+        among the sessions of the same owner. A session its principal may not use, or a closed
+        one, is refused."""
         group_id, principal = caller.group_id, caller.principal
         session_id = self.named(caller)
         if session_id is None and caller.api_key and caller.api_key.startswith(SESSION_KEY_PREFIX):
             raise Unauthorized("unknown or closed session key")
         if session_id is None:
-            session = await self._continued(rendered, call_ids, principal.owner)
+            session = await self._inferred(rendered, call_ids, attempt, principal.owner)
             if session is None:
                 session = await self.sessions.create(group_id=group_id, owner=principal.owner, inferred=True)
         else:
@@ -112,17 +114,28 @@ class Turns:
 
         return returned.among(joinable)
 
-    async def _continued(
-        self, rendered: bytes, call_ids: frozenset[str], owner: str | None
+    async def _inferred(
+        self, rendered: bytes, call_ids: frozenset[str], attempt: Attempt, owner: str | None
     ) -> Session | None:
-        """The inferred session one of whose chains `rendered` continues furthest, with no turn
-        in flight that the request must wait for (`_claim` then claims it at once); None if
-        none continues. Among equal candidates the one whose tool calls the request echoes
-        wins, then a free one; if the best must all wait, wait for one such turn to end and
-        look again, since it changes that history. Only `owner`'s sessions are candidates: one
-        agent key's conversation never joins another's."""
+        """The inferred session a request without a session id joins: the one that answered the
+        request it says it retries (`Session.answered_retry`; while that first try is still in
+        flight, wait for it), else the one one of whose chains `rendered` continues furthest,
+        with no turn in flight that the request must wait for (`_claim` then claims it at
+        once); None: a new session. Among equal candidates the one whose tool calls the
+        request echoes wins, then a free one; if the best must all wait, wait for one such
+        turn to end and look again, since it changes that history. Only `owner`'s sessions are
+        candidates: one agent key's conversation never joins another's."""
+        says_retry = attempt.retry is True or attempt.idempotency_key is not None
         while True:
-            candidates = self._furthest(rendered, owner)
+            owned = self._owned(owner)
+            retried = next((s for s in owned if s.answered_retry(attempt)), None)
+            if retried is not None:
+                return retried
+            first_try = next((c for s in owned for c in s.in_flight if c.rendered == rendered), None)
+            if says_retry and first_try is not None:
+                await first_try.done.wait()
+                continue
+            candidates = self._furthest(rendered, owned)
             if not candidates:
                 return None
             echoed = max(len(s.call_ids & call_ids) for s in candidates)
@@ -135,13 +148,15 @@ class Turns:
             assert blocking is not None
             await blocking.done.wait()
 
-    def _furthest(self, rendered: bytes, owner: str | None) -> list[Session]:
-        """`owner`'s inferred sessions one of whose chains `rendered` continues furthest."""
+    def _owned(self, owner: str | None) -> list[Session]:
+        """The inferred sessions of `owner` (an agent key's id; None: no keys)."""
+        return [s for s in self.sessions.open_sessions() if s.inferred and s.owner == owner]
+
+    def _furthest(self, rendered: bytes, owned: list[Session]) -> list[Session]:
+        """The sessions of `owned` one of whose chains `rendered` continues furthest."""
         candidates: list[Session] = []
         longest = 0
-        for session in self.sessions.open_sessions():
-            if not session.inferred or session.owner != owner:
-                continue
+        for session in owned:
             chains = continued(session.segments, rendered)
             matched = chains[0][0] if chains else None
             if matched is not None and matched >= longest:
@@ -160,5 +175,5 @@ class Turns:
             session = self.sessions.find(named)
             visible = session is not None and may_use(caller.principal, session.id, session.owner)
             return list(session.segments) if session is not None and visible else []
-        candidates = self._furthest(rendered, caller.principal.owner)
+        candidates = self._furthest(rendered, self._owned(caller.principal.owner))
         return list(candidates[0].segments) if candidates else []

@@ -127,12 +127,14 @@ class LoseFirstAnswer(httpx2.HTTPTransport):
     def __init__(self) -> None:
         super().__init__()
         self.retry_counts: list[str | None] = []
+        self.lost: bytes = b""
+        """The answer the client never saw."""
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         response = super().handle_request(request)
         self.retry_counts.append(request.headers.get("x-stainless-retry-count"))
         if len(self.retry_counts) == 1:
-            response.read()
+            self.lost = response.read()
             response.close()
             raise httpx2.ReadTimeout("the answer was lost", request=request)
         return response
@@ -154,6 +156,41 @@ def test_the_openai_sdk_retry_after_a_lost_answer_gets_the_recorded_reply(proxy)
     again = client.chat.completions.create(model="tiny", messages=messages)
     assert transport.retry_counts[-1] == "0"
     assert again.id != reply.id and turns(proxy, "sdk") == [reply.id, again.id]
+
+
+def test_without_a_session_id_the_sdk_retry_after_a_lost_answer_joins_its_session_and_replays(proxy):
+    """Zero-config: the retried request's history no longer continues the chain its first try
+    extended, so only the retry count tells it from a new conversation."""
+    transport = LoseFirstAnswer()
+    client = OpenAI(
+        base_url=f"{proxy}/v1",
+        api_key="unused",
+        max_retries=1,
+        http_client=httpx2.Client(transport=transport),
+    )
+    messages = [{"role": "user", "content": "zero-config, lost once"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages)
+    assert transport.retry_counts == ["0", "1"]
+    assert reply.id == json.loads(transport.lost)["id"]  # the first try's reply, not a second sample
+    assert turns(proxy, reply.model_extra["session_id"]) == [reply.id]
+
+
+def test_without_a_session_id_a_retry_is_told_from_another_attempt_by_its_headers(proxy):
+    body = chat_body("zero-config: the same first request")
+
+    def zero_config(**headers: str) -> dict:
+        sent = {k.replace("_", "-"): v for k, v in headers.items()}
+        response = httpx.post(proxy + CHAT, json=body, headers=sent, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = zero_config(x_stainless_retry_count="0", idempotency_key="zk")
+    assert zero_config(x_stainless_retry_count="1") == first
+    assert zero_config(idempotency_key="zk") == first
+    # Identical first requests of other attempts at the task (no retry said): new sessions.
+    for other in (zero_config(x_stainless_retry_count="0"), zero_config()):
+        assert other["session_id"] != first["session_id"] and other["id"] != first["id"]
+    assert turns(proxy, first["session_id"]) == [first["id"]]
 
 
 def test_a_restarted_proxy_still_replays_by_key_and_by_retry_count(tmp_path: Path):
