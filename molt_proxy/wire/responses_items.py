@@ -72,7 +72,7 @@ def encrypted_reasoning(text: str) -> str:
 
 def _decrypted(value: str, param: str) -> str:
     try:
-        return base64.urlsafe_b64decode(value.removeprefix(_ENCRYPTED).encode()).decode()
+        return base64.b64decode(value.removeprefix(_ENCRYPTED), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise BadRequest(f"{param}: not an encrypted_content this proxy minted", param=param) from None
 

@@ -118,7 +118,7 @@ def output_items(
     items: list[dict[str, Any]] = []
     if message.reasoning_content:
         items.append(reasoning_item(completion_id, message.reasoning_content, shape.encrypted))
-    if message.content:
+    if message.content and message.content.strip():  # not the whitespace between reasoning and calls
         items.append(message_item(completion_id, message.content, status))
     for call in message.tool_calls:
         function = call["function"]
@@ -206,6 +206,8 @@ class Items:
     call: tuple[int, str, str] | None = None
     """The open call's (index, id, name)."""
     text: str = ""
+    blank: str = ""
+    """Content held back while it is only whitespace (`_content`)."""
     done: list[dict[str, Any]] = field(default_factory=list)
     out: list[str] = field(default_factory=list)
 
@@ -228,7 +230,7 @@ class Items:
 
     def _open(self, kind: str, call: tuple[int, str, str] | None = None) -> None:
         self.close()
-        self.kind, self.call, self.text = kind, call, ""
+        self.kind, self.call, self.text, self.blank = kind, call, "", ""
         added = self._item("in_progress")
         if kind == "reasoning":
             added["summary"] = []
@@ -294,9 +296,7 @@ class Items:
                 self._open("reasoning")
             self._extend(delta.reasoning)
         if delta.content:
-            if self.kind != "message":
-                self._open("message")
-            self._extend(delta.content)
+            self._content(delta.content)
         for call in delta.tool_calls:
             function = call.function
             if self.kind != "call" or self.call is None or self.call[0] != call.index:
@@ -306,6 +306,19 @@ class Items:
                 self._extend(function.arguments)
         out, self.out = self.out, []
         return out
+
+    def _content(self, text: str) -> None:
+        """Content opens a message item once it is more than whitespace (as the whole reply
+        has one only then); the whitespace before is its text's start."""
+        if self.kind == "message":
+            self._extend(text)
+            return
+        held = self.blank + text
+        if held.strip():
+            self._open("message")
+            self._extend(held)
+        else:
+            self.blank = held
 
     def start(self) -> list[str]:
         self.emit("response.created", {"response": self.response})
