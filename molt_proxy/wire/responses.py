@@ -296,6 +296,7 @@ def _parser_request(
         "max_tokens": data.get("max_output_tokens"),
         "temperature": data.get("temperature"),
         "top_p": data.get("top_p"),
+        "seed": data.get("seed"),  # not OpenAI's; vLLM's chat field, for reproducible samples
         "response_format": _response_format(data.get("text")),
     }
     if data.get("parallel_tool_calls") is not None:
