@@ -1,7 +1,8 @@
 """The integrations, each driving its real library against the real proxy and a real vLLM:
 the `openai` SDK session helper, a LangGraph ReAct agent on `ChatOpenAI`, and an OpenAI
-Agents SDK agent on its default Responses model and on its Chat Completions model. Each plays the tiny model's scripted weather
-episode; the record must be one exact segment holding the scripted replies, with the reward.
+Agents SDK agent on its default Responses model and on its Chat Completions model. Each plays
+the tiny model's scripted weather episode; the record must be one exact segment holding the
+scripted replies, with the reward.
 """
 
 from __future__ import annotations
