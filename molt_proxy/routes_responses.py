@@ -108,7 +108,11 @@ async def _create(request: Request, path_session: str | None) -> dict[str, Any] 
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CHAT)
     body = await request.body()
-    decoded = decode_responses_request(body)
+    decoded = (
+        decode_responses_request(body)
+        if len(body) < OFF_LOOP_BYTES
+        else await asyncio.to_thread(decode_responses_request, body)
+    )
     caller = _caller(proxy, request, principal, decoded.session_id, path_session)
     caller, history = await _continued(proxy, decoded, caller)
     turn: Conversation = (

@@ -346,6 +346,7 @@ class Store:
                 (session_id,),
             )
             db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
+            db.execute("DELETE FROM responses WHERE session_id = ?", (session_id,))  # nothing continues them
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

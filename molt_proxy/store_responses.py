@@ -5,7 +5,9 @@ from: every item of its conversation (the stored history it continued, its own i
 output, reasoning with `encrypted_content` so it renders exactly as sampled), the session it
 belongs to, and the response object as returned (`GET /v1/responses/{id}`). Durable, like
 every turn: a restarted proxy still continues a stored conversation. Each row holds its whole
-history, zlib-compressed JSON, so deleting one response never breaks another's chain.
+history, zlib-compressed JSON, so deleting one response never breaks another's chain. A
+session's stored responses go when it closes (`Store.close_session`, in the same transaction):
+a closed session takes no more turns, and its trajectories hold every token.
 
 The SQL is here (with `Store.on_db` running it on the store's thread), as the migrations'
 is in `store_migrations.py`: `store.py` stays the store of sessions, turns and trajectories.

@@ -314,6 +314,8 @@ def test_stored_conversation_continues_by_previous_response_id(thinking):
     # rewards may name a response by its id
     reward = httpx.post(f"{thinking.url}/v1/rewards", json={"completion_id": third.id, "reward": 1.0})
     assert reward.status_code == 200 and reward.json()["session_id"] == "stored"
+    with pytest.raises(openai.NotFoundError):  # a closed session's stored responses are gone
+        client.responses.retrieve(third.id)
 
 
 def test_reply_and_stream_through_the_sdk(qwen3):
@@ -464,3 +466,16 @@ def test_streamed_items_add_up_to_the_sampled_reply_and_a_late_failure_is_respon
     failed = _stream(shape, events[:3], fail=True)[-1]
     assert failed["type"] == "response.failed"
     assert failed["response"]["error"] == {"code": "upstream_error", "message": "vLLM went away"}
+
+
+def test_stored_responses_survive_a_restart(tmp_path):
+    db = tmp_path / "restart.db"
+    with served("qwen3", db) as proxy:
+        first = sdk(proxy, "kept").responses.create(model="m", input="hi", instructions=INSTRUCTIONS)
+    with served("qwen3", db) as proxy:
+        client = sdk(proxy, "kept")
+        assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        second = client.responses.create(
+            model="m", input="again", instructions=INSTRUCTIONS, previous_response_id=first.id
+        )
+        assert proxy.segments("kept") == [[f"chatcmpl-{r.id.removeprefix('resp_')}" for r in (first, second)]]
