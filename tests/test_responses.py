@@ -25,6 +25,7 @@ from molt_proxy.wire.events import Closed, Delta, Opened, StreamEvent
 from molt_proxy.wire.responses import conversation, decode_responses_request
 from molt_proxy.wire.responses_items import encrypted_reasoning
 from molt_proxy.wire.responses_reply import ReplyShape, encode_response_stream
+from tests.inprocess import inprocess_proxy
 from tests.test_echo import Proxy, qwen3_call, served
 
 RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
@@ -479,3 +480,22 @@ def test_stored_responses_survive_a_restart(tmp_path):
             model="m", input="again", instructions=INSTRUCTIONS, previous_response_id=first.id
         )
         assert proxy.segments("kept") == [[f"chatcmpl-{r.id.removeprefix('resp_')}" for r in (first, second)]]
+
+
+def test_keys_guard_the_responses_routes_and_an_agent_sees_only_its_own(tmp_path):
+    with inprocess_proxy(tmp_path / "keys.db", admin_key="admin", agent_keys=["agent-x", "agent-y"]) as url:
+        for method, path in [
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/responses/r"),
+            ("DELETE", "/v1/responses/r"),
+        ]:
+            response = httpx.request(method, url + path, json={"model": "m", "input": "hi"}, timeout=30)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        x = openai.OpenAI(base_url=f"{url}/v1", api_key="agent-x", max_retries=0)
+        y = openai.OpenAI(base_url=f"{url}/v1", api_key="agent-y", max_retries=0)
+        mine = x.responses.create(model="m", input="hi", metadata={"session_id": "x-1"})
+        assert x.responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):  # another owner's response looks unknown
+            y.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError, match="previous response"):
+            y.responses.create(model="m", input="more", previous_response_id=mine.id)
