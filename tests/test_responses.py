@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from vllm.tool_parsers.utils import custom_tool_parameters
 
 from devtools.scripts import AGENTS_SDK_WEATHER_TOOL, WEATHER_TOOL, weather_episode
 from molt_proxy.errors import UpstreamError
@@ -29,7 +30,6 @@ from tests.inprocess import inprocess_proxy
 from tests.test_echo import Proxy, qwen3_call, served
 
 RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
-CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 INSTRUCTIONS = "You are a weather assistant."
 QUESTION = "What is the weather in Paris?"
 
@@ -130,7 +130,7 @@ def test_input_items_decode_into_the_templates_messages():
             "tool_calls": [
                 chat_call("chatcmpl-tool-7", "get_weather", '{"city":"P"}'),
                 chat_call("chatcmpl-tool-8", "apply_patch", '{"input": "*** Begin"}'),
-                chat_call("x", "crm.find", "{}"),
+                chat_call("x", "crm__find", "{}"),
             ],
         },
         {"role": "tool", "tool_call_id": "chatcmpl-tool-7", "content": "Sunny"},
@@ -145,16 +145,16 @@ def test_input_items_decode_into_the_templates_messages():
             "function": {
                 "name": "apply_patch",
                 "description": "Patch.",
-                "parameters": CUSTOM_PARAMETERS,
+                "parameters": custom_tool_parameters(),
             },
         },
         {
             "type": "function",
-            "function": {"name": "crm.find", "description": "Find.", "parameters": {"type": "object"}},
+            "function": {"name": "crm__find", "description": "Find.", "parameters": {"type": "object"}},
         },
     ]
     assert request.tools.custom == {"apply_patch"} and request.tools.namespaced == {
-        "crm.find": ("crm", "find")
+        "crm__find": ("crm", "find")
     }
     assert decoded.template_kwargs == {"enable_thinking": False}
     assert request.include_encrypted and request.store and not request.stream

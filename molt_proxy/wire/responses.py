@@ -6,8 +6,9 @@ and it is the OpenAI Agents SDK's default.
 The request becomes the chat request it means, which vLLM's own code then reads for its
 parsers and constraints: `instructions` is the system prompt; `function` tools are chat tools
 (`strict` kept, so a strict tool constrains as on chat completions); a `custom` (freeform)
-tool is a function taking one string, `input`; a `namespace` group's tools are functions
-named `<namespace>.<name>`; hosted tools (`web_search`, `file_search`, ...) are left out,
+tool is vLLM's function shim taking one string, `input`; a `namespace` group's tools are
+functions named `<namespace>__<name>` (vLLM's names for both, so a request renders as on
+`vllm serve`'s Responses route); hosted tools (`web_search`, `file_search`, ...) are left out,
 since nothing here can run them. `tool_choice` `required` or named, `parallel_tool_calls:
 false` and `text.format` `json_object` / `json_schema` are constrained decoding, as the chat
 fields they become. `reasoning.effort` `none` turns the template's thinking off, any other
@@ -25,19 +26,15 @@ from typing import Any
 import pydantic
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
+from vllm.tool_parsers.utils import custom_tool_parameters, flat_namespace_tool_name
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
 from molt_proxy.wire.jsonbody import decode_json_object
 from molt_proxy.wire.openai import check_sampling, requested_max_tokens, sampling_fields
-from molt_proxy.wire.responses_items import NAMESPACE_SEPARATOR, input_messages
+from molt_proxy.wire.responses_items import input_messages
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-_CUSTOM_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {"input": {"type": "string"}},
-    "required": ["input"],
-}
 _UNSUPPORTED = {
     "background": "background responses are not supported",
     "conversation": "conversations are not supported; send 'input' or 'previous_response_id'",
@@ -185,7 +182,7 @@ def _function(tool: dict[str, Any], name: str, param: str) -> dict[str, Any]:
             raise BadRequest(f"{param}.description must be a string", param=f"{param}.description")
         function["description"] = description
     if tool.get("type") == "custom":
-        function["parameters"] = _CUSTOM_PARAMETERS
+        function["parameters"] = custom_tool_parameters()
         return {"type": "function", "function": function}
     parameters = tool.get("parameters")
     if parameters is not None:
@@ -220,8 +217,8 @@ def _tools(raw: Any) -> Tools:
                 continue  # a hosted tool (web_search, ...): nothing here can run it
             name = _name(member, param)
             if namespace is not None:
-                namespaced[namespace + NAMESPACE_SEPARATOR + name] = (namespace, name)
-                name = namespace + NAMESPACE_SEPARATOR + name
+                namespaced[flat_namespace_tool_name(namespace, name)] = (namespace, name)
+                name = flat_namespace_tool_name(namespace, name)
             if member["type"] == "custom":
                 custom.add(name)
             chat.append(_function(member, name, param))

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
+
+from vllm.entrypoints.openai.responses.utils import encode_custom_tool_input
+from vllm.tool_parsers.utils import flat_namespace_tool_name
 
 from molt_proxy.errors import BadRequest
 
 _CALL, _SHOWN_CALL = "chatcmpl-tool-", "call_"
 _COMPLETION, _RESPONSE = "chatcmpl-", "resp_"
 _ENCRYPTED = "molt-reasoning:"
-NAMESPACE_SEPARATOR = "."
-"""A namespaced tool `crm` / `find` renders as the function `crm.find`."""
 
 _ASSISTANT_SIDE = frozenset({"reasoning", "function_call", "custom_tool_call"})
 _OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
@@ -119,9 +119,9 @@ def _call(item: dict[str, Any], param: str) -> dict[str, Any]:
     name = _string(item, "name", param)
     namespace = item.get("namespace")
     if isinstance(namespace, str) and namespace:
-        name = namespace + NAMESPACE_SEPARATOR + name
+        name = flat_namespace_tool_name(namespace, name)
     if item["type"] == "custom_tool_call":
-        arguments = json.dumps({"input": _string(item, "input", param)}, ensure_ascii=False)
+        arguments = encode_custom_tool_input(_string(item, "input", param))
     else:
         arguments = _string(item, "arguments", param)
     shown = _string(item, "call_id", param)

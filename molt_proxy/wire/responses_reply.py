@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from vllm.entrypoints.openai.responses.utils import decode_custom_tool_input
 
 from molt_proxy.errors import MoltError
 from molt_proxy.types import ParsedReply, RecordedReply
@@ -93,23 +94,12 @@ def call_item(shape: ReplyShape, call_id: str, name: str, arguments: str, status
         "call_id": shown_call_id(call_id),
     }
     if name in tools.custom:
-        item |= {"type": "custom_tool_call", "name": name, "input": _custom_input(arguments)}
+        item |= {"type": "custom_tool_call", "name": name, "input": decode_custom_tool_input(arguments)}
     else:
         item |= {"type": "function_call", "name": name, "arguments": arguments}
     if name in tools.namespaced:
         item["namespace"], item["name"] = tools.namespaced[name]
     return item
-
-
-def _custom_input(arguments: str) -> str:
-    """A custom tool's input: the `input` string of the call's sampled JSON (the text itself
-    if it is not such JSON)."""
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    text = value.get("input") if isinstance(value, dict) else None
-    return text if isinstance(text, str) else arguments
 
 
 def output_items(
