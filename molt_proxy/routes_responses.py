@@ -36,7 +36,13 @@ from molt_proxy.wire.responses import (
     conversation,
     decode_responses_request,
 )
-from molt_proxy.wire.responses_reply import ReplyShape, encode_response, encode_response_stream, output_items
+from molt_proxy.wire.responses_reply import (
+    ReplyShape,
+    encode_response,
+    encode_response_stream,
+    output_items,
+    response_status,
+)
 
 router = APIRouter()
 
@@ -84,8 +90,8 @@ def _saver(proxy: Proxy, decoded: ResponsesRequest, history: list[dict[str, Any]
     async def save(reply: RecordedReply, session_id: str) -> None:
         if not decoded.store:
             return
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
-        items = [*history, *decoded.items, *output_items(kept, reply.message, reply.completion_id, status)]
+        output = output_items(kept, reply.message, reply.completion_id, response_status(reply))
+        items = [*history, *decoded.items, *output]
         response = encode_response(ReplyShape(decoded, decoded.include_encrypted), reply, session_id)
         await StoredResponses(proxy.store).save(response, session_id, items)
 

@@ -55,7 +55,7 @@ class ReplyShape:
     """Reasoning items carry `encrypted_content` (asked by `include`, or kept in the store)."""
 
 
-def _status(reply: RecordedReply) -> str:
+def response_status(reply: RecordedReply) -> str:
     return "incomplete" if reply.finish_reason == "length" else "completed"
 
 
@@ -159,7 +159,7 @@ def _base(shape: ReplyShape, completion_id: str, created: int, model: str, sessi
 
 def encode_response(shape: ReplyShape, reply: RecordedReply, session_id: str) -> dict[str, Any]:
     """The `response` object of a turn (or of its replay)."""
-    status = _status(reply)
+    status = response_status(reply)
     response = _base(shape, reply.completion_id, reply.created, reply.model, session_id)
     response |= {
         "status": status,
@@ -320,7 +320,7 @@ class Items:
         """The last events: what the parsers released at the end, the open item closed, and
         the whole response."""
         lines = self.feed(last) if last is not None else []
-        self.close(_status(reply))
+        self.close(response_status(reply))
         session_id = self.response["session_id"]
         final = encode_response(self.shape, reply, session_id)
         self.emit(f"response.{final['status']}", {"response": final})
