@@ -1,6 +1,7 @@
 """An OpenAI Agents SDK agent with a function tool, trained through molt-proxy: the agent is
-unchanged; its run gets `run_config(session)`, the SDK's Chat Completions model on the session
-with tracing off.
+unchanged; its run gets `run_config(session)`, the SDK's default model (Responses API) on the
+session with tracing off (`run_config(session, api="chat_completions")`: its Chat Completions
+model).
 
     python examples/agents_sdk_agent.py      # tiny model, vLLM on CPU and molt-proxy, all local
 """
@@ -48,7 +49,7 @@ async def run_agent(config: RunConfig) -> list[str]:
         name="weather",
         instructions=SYSTEM_PROMPT,
         tools=[weather_tool()],
-        model_settings=ModelSettings(extra_args={"seed": 7}),
+        model_settings=ModelSettings(extra_body={"seed": 7}),  # a vLLM field, in the body
     )
     items: list[Any] = []
     answers: list[str] = []

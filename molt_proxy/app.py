@@ -22,6 +22,7 @@ from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, 
 from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision
 from molt_proxy.routes import router
+from molt_proxy.routes_responses import router as responses_router
 from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.include_router(router)
+    app.include_router(responses_router)
     return app
 
 

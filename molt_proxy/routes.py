@@ -46,6 +46,7 @@ from molt_proxy.wire.control import (
 )
 from molt_proxy.wire.jsonbody import INT64_MAX
 from molt_proxy.wire.openai import decode_chat_request, encode_reply, encode_stream
+from molt_proxy.wire.responses_items import recorded_completion_id as responses_completion_id
 from molt_proxy.wire.sse import KEEPALIVE, trajectory_event
 
 STREAM_KEEPALIVE_S = 15.0
@@ -283,7 +284,7 @@ async def post_reward(request: Request) -> dict[str, Any]:
     principal = proxy.principal(request, auth.CHAT)
     body = RewardBody.decode(await request.body())
     session_id = body.session_id
-    completion_id = None if body.completion_id is None else recorded_completion_id(body.completion_id)
+    completion_id = body.completion_id and recorded_completion_id(responses_completion_id(body.completion_id))
     if completion_id is not None:
         session_id = await proxy.sessions.of_completion(completion_id, principal)
     elif not await proxy.sessions.visible(session_id, principal):

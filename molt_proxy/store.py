@@ -36,6 +36,7 @@ from molt_proxy.store_migrations import (
     hash_plain_session_keys,
     make_private,
 )
+from molt_proxy.store_responses import SCHEMA as RESPONSES_SCHEMA
 from molt_proxy.types import Generation, Sampling, SessionStatus, StoredSession, StoredTurn, Trajectory
 
 T = TypeVar("T")
@@ -162,6 +163,7 @@ class Store:
         db.execute("PRAGMA foreign_keys=ON")
         hash_plain_session_keys(db)
         db.executescript(_SCHEMA)
+        db.executescript(RESPONSES_SCHEMA)
         add_turn_columns(db)
         self._db = db
 
@@ -170,6 +172,10 @@ class Store:
             await self._run(self._db.close)
             self._db = None
         self._executor.shutdown(wait=True)
+
+    async def on_db(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(db, *args)` on the store's thread: the SQL of `store_responses.py`."""
+        return await self._run(fn, self.db, *args)
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -340,6 +346,7 @@ class Store:
                 (session_id,),
             )
             db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
+            db.execute("DELETE FROM responses WHERE session_id = ?", (session_id,))  # nothing continues them
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

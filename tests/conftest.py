@@ -178,6 +178,7 @@ SLOW_FIRST = (
     "test_streaming.py",
     "test_constrained.py",
     "test_anthropic_vllm.py",
+    "test_responses_vllm.py",
     "test_agent_logprobs.py",
     "test_errors.py",
 )

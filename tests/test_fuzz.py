@@ -1,5 +1,6 @@
 """Schemathesis against the served OpenAPI: no input gives a 5xx, every 4xx has the OpenAI
-error body (issue 9), or Anthropic's on its routes (issue 12).
+error body (issue 9), or Anthropic's on its routes (issue 12); the Responses API's routes
+(issue 13) have OpenAI's.
 
 The POST routes declare their request-body schemas (chat, sessions, rewards, weights), so
 schemathesis generates bodies that follow them and, in its negative mode, bodies that break
@@ -24,7 +25,8 @@ from tests.inprocess import inprocess_proxy
 EXAMPLES = 30
 ANTHROPIC_EXAMPLES = 15
 """The Anthropic routes (four operations over one decoder, whose rules `tests/test_anthropic.py`
-covers case by case) get fewer, to keep this test's time small."""
+covers case by case) get fewer, to keep this test's time small; so do the Responses API's
+(six operations over one decoder, `tests/test_responses.py`)."""
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,12 @@ OPERATIONS = [
     ("POST", "/s/{session_id}/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/s/{session_id}/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"),
+    ("POST", "/s/{session_id}/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("GET", "/s/{session_id}/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("DELETE", "/s/{session_id}/v1/responses/{response_id}"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions/{session_id}"),
     ("POST", "/v1/rewards"),
@@ -98,7 +106,7 @@ def openai_error_body(response: schemathesis.Response, path: str) -> None:
 def test_no_input_gives_a_5xx_and_every_4xx_has_the_openai_error_body(served_openapi, method, path, mode):
     operation = served_openapi[path][method]
 
-    examples = ANTHROPIC_EXAMPLES if "/v1/messages" in path else EXAMPLES
+    examples = ANTHROPIC_EXAMPLES if "/v1/messages" in path or "/v1/responses" in path else EXAMPLES
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -1,7 +1,8 @@
 """The integrations, each driving its real library against the real proxy and a real vLLM:
 the `openai` SDK session helper, a LangGraph ReAct agent on `ChatOpenAI`, and an OpenAI
-Agents SDK agent on its Chat Completions model. Each plays the tiny model's scripted weather
-episode; the record must be one exact segment holding the scripted replies, with the reward.
+Agents SDK agent on its default Responses model and on its Chat Completions model. Each plays
+the tiny model's scripted weather episode; the record must be one exact segment holding the
+scripted replies, with the reward.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def test_langgraph_react_agent_records_one_exact_segment(qwen3_model, qwen3_vllm
     _assert_recorded(proxy.url, session, answer, qwen3_model, SCRIPT["tools"], info)
 
 
-def test_agents_sdk_agent_records_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_agents_sdk_agent_records_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy, api):
     from agents_sdk_agent import run_agent
 
     from integrations.agents_sdk import run_config
@@ -103,7 +105,7 @@ def test_agents_sdk_agent_records_one_exact_segment(qwen3_model, qwen3_vllm, sta
 
     async def episode() -> tuple[MoltSession, list[str], dict[str, Any]]:
         async with amolt_session(proxy.url, group_id="weather-agents-sdk") as session:
-            answers = await run_agent(run_config(session))
+            answers = await run_agent(run_config(session, api=api))
             return session, answers, await session.areward(1.0, info=info)
 
     session, answers, answer = asyncio.run(episode())

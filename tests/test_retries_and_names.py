@@ -262,7 +262,7 @@ def test_served_model_name_flag_takes_names_as_vllm_serve_does():
     [
         ("POST", "/v1/embeddings"),
         ("POST", "/v1/completions"),
-        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1/input_items"),
         ("POST", "/s/some-session/v1/embeddings"),
         ("GET", "/nowhere"),
     ],
@@ -274,7 +274,7 @@ def test_a_route_the_proxy_does_not_serve_is_a_404_naming_the_routes_it_serves(p
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "not_found_error"
     assert f"does not serve {method} {path}" in error["message"]
     assert "POST /v1/chat/completions" in error["message"] and "GET /v1/models" in error["message"]
-    assert "POST /v1/messages" in error["message"]
+    assert "POST /v1/messages" in error["message"] and "POST /v1/responses" in error["message"]
 
 
 def test_an_unknown_session_is_still_its_own_404(proxy):
