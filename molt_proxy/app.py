@@ -22,6 +22,8 @@ from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, 
 from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision
 from molt_proxy.routes import router
+from molt_proxy.telemetry import Instrument
+from molt_proxy.telemetry import router as telemetry_router
 from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,9 @@ def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None
     app.state.proxy = proxy
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(Instrument, telemetry=proxy.telemetry)  # outermost: it sees BodyLimit's 413s
     app.include_router(router)
+    app.include_router(telemetry_router)
     return app
 
 
