@@ -1,6 +1,7 @@
-"""`GET /metrics` (issue 15, item 1): after a known episode the counters equal what happened,
-read with prometheus_client's own text parser; the route follows the key rules of
-`/v1/trajectories`.
+"""`GET /metrics` and the request log (issue 15, items 1 and 2): after a known episode the
+counters equal what happened, read with prometheus_client's own text parser; the route follows
+the key rules of `/v1/trajectories`; `--log-format json` writes one parseable line per request
+with its session, turn and tokens, and never a message's content or a key.
 
 Runs the real app in process in front of the instant stand-in vLLM (`tests/inprocess.py`).
 """
@@ -8,6 +9,7 @@ Runs the real app in process in front of the instant stand-in vLLM (`tests/inpro
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from molt_proxy import logs
+from molt_proxy.cli import parser
 from tests.helpers import write_checkpoint
 from tests.inprocess import inprocess_proxy, post
 
@@ -133,3 +137,54 @@ def test_metrics_need_the_admin_key_when_keys_are_set(proxy: str):
     assert agent.status_code == 403
     assert agent.json()["error"]["type"] == "permission_error"
     assert httpx.get(f"{proxy}/metrics", headers=ADMIN).status_code == 200
+
+
+SECRET = "zebra-secret-7731-do-not-log"
+
+
+def test_json_log_lines_parse_name_each_request_and_hold_no_content_or_key(proxy: str, capsys):
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    logs.configure("json")
+    try:
+        created = post(proxy, "/v1/sessions", json={}, headers=ADMIN).json()
+        session, session_key = created["session_id"], created["api_key"]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": SECRET}]}
+        key = {"authorization": f"Bearer {session_key}"}
+        reply = post(proxy, "/v1/chat/completions", json=body, headers=key)
+        assert reply.status_code == 200, reply.text
+        refused = post(
+            proxy, "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {SECRET}"}
+        )
+        assert refused.status_code == 401
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    written = capsys.readouterr().err
+    assert SECRET not in written and ADMIN_KEY not in written and session_key not in written
+    lines = [json.loads(line) for line in written.splitlines()]  # every line is one JSON object
+    requests = [line for line in lines if line["logger"] == "molt_proxy.requests"]
+    replica = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    usage = reply.json()["usage"]
+    turn = requests[1]
+    assert (turn["method"], turn["route"], turn["status"]) == ("POST", "/v1/chat/completions", 200)
+    assert turn["message"].startswith(f"POST /v1/chat/completions 200 latency_s={turn['latency_s']} ")
+    assert (turn["session"], turn["segment"], turn["turn"], turn["replica"]) == (session, 0, 0, replica)
+    assert (turn["prompt_tokens"], turn["sampled_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert turn["latency_s"] >= turn["upstream_s"] > 0
+    assert [(r["route"], r["status"], r["session"]) for r in requests] == [
+        ("/v1/sessions", 201, None),
+        ("/v1/chat/completions", 200, session),
+        ("/v1/chat/completions", 401, None),
+    ]
+
+
+def test_serve_takes_log_format_text_or_json():
+    assert parser().parse_args(["serve", "--model", "m"]).log_format == "text"
+    assert parser().parse_args(["serve", "--model", "m", "--log-format", "json"]).log_format == "json"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--model", "m", "--log-format", "xml"])
