@@ -111,6 +111,7 @@ def main() -> None:
     agents = Agents(server.url, args.agents, args.group_size, curve.exists)
     try:
         server.wait(timeout_s=600)
+        print(f"watch the run: {server.url}/ui (trajectories, live) and {server.url}/metrics", flush=True)
         wait_for_trainer(server)
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
