@@ -79,6 +79,16 @@ def test_metrics_count_a_known_episode_exactly(proxy: str, tmp_path: Path):
             messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]}]
             messages += [{"role": "user", "content": content}]
     usages.append(chat(proxy, session, [{"role": "system", "content": "compacted"}, *messages])["usage"])
+    # A side request (Claude Code's title request): served, its own session, closed at once.
+    title = {
+        "model": "tiny",
+        "max_tokens": 16,
+        "system": "Write a concise, sentence-case title for this conversation.",
+        "messages": [{"role": "user", "content": "one"}],
+    }
+    side = post(proxy, "/v1/messages", json=title, headers=ADMIN)
+    assert side.status_code == 200, side.text
+    side_usage = side.json()["usage"]
     assert httpx.get(f"{proxy}/v1/embeddings", headers=ADMIN).status_code == 404
 
     during = scrape(proxy)
@@ -96,21 +106,24 @@ def test_metrics_count_a_known_episode_exactly(proxy: str, tmp_path: Path):
     after = scrape(proxy)
     chat_route = (("route", "/s/{session_id}/v1/chat/completions"), ("status", "200"))
     expected = {
-        ("molt_proxy_turns_total", ()): 4,
-        ("molt_proxy_tokens_total", (("kind", "prompt"),)): sum(u["prompt_tokens"] for u in usages),
-        ("molt_proxy_tokens_total", (("kind", "sampled"),)): sum(u["completion_tokens"] for u in usages),
+        ("molt_proxy_turns_total", ()): 5,
+        ("molt_proxy_tokens_total", (("kind", "prompt"),)): sum(u["prompt_tokens"] for u in usages)
+        + side_usage["input_tokens"],
+        ("molt_proxy_tokens_total", (("kind", "sampled"),)): sum(u["completion_tokens"] for u in usages)
+        + side_usage["output_tokens"],
         ("molt_proxy_chains_opened_total", (("reason", "extends_no_chain"),)): 1,
         ("molt_proxy_trajectories_total", (("status", "rewarded"),)): 2,
         ("molt_proxy_trajectories_total", (("status", "unrewarded"),)): 0,
-        ("molt_proxy_trajectories_total", (("status", "side"),)): 0,
+        ("molt_proxy_trajectories_total", (("status", "side"),)): 1,
         ("molt_proxy_requests_total", chat_route): 4,
         ("molt_proxy_requests_total", (("route", "/v1/sessions"), ("status", "201"))): 1,
+        ("molt_proxy_requests_total", (("route", "/v1/messages"), ("status", "200"))): 1,
         ("molt_proxy_requests_total", (("route", "/v1/rewards"), ("status", "200"))): 1,
         ("molt_proxy_requests_total", (("route", "/v1/admin/weights"), ("status", "401"))): 1,
         ("molt_proxy_requests_total", (("route", "/v1/admin/weights"), ("status", "200"))): 1,
         ("molt_proxy_requests_total", (("route", "unmatched"), ("status", "404"))): 1,
         ("molt_proxy_request_seconds_count", (("route", "/s/{session_id}/v1/chat/completions"),)): 4,
-        ("molt_proxy_upstream_seconds_count", ()): 4,
+        ("molt_proxy_upstream_seconds_count", ()): 5,
         ("molt_proxy_refresh_seconds_count", ()): 1,
         ("molt_proxy_open_sessions", ()): 0,
         ("molt_proxy_in_flight_requests", ()): 0,
@@ -124,6 +137,7 @@ def test_metrics_count_a_known_episode_exactly(proxy: str, tmp_path: Path):
     assert routes == {
         "/s/{session_id}/v1/chat/completions",
         "/v1/sessions",
+        "/v1/messages",
         "/v1/rewards",
         "/v1/admin/weights",
         "unmatched",
