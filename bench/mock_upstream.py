@@ -8,7 +8,8 @@ logprobs in vLLM's order when `sampling_params.logprobs` asks for them, see `top
 `GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
 once; aiohttp's server keeps the per-request cost to well under a millisecond. Tests that
 need other replies queue them with `POST /_script` (a JSON list of `{"token_ids": [...],
-"finish_reason": ...}`): the next whole (not streamed) generate requests answer them, in order.
+"finish_reason": ..., "logprobs": [...] (optional)}`): the next whole (not streamed) generate
+requests answer them, in order.
 
 The weight-refresh routes (`/pause`, `/collective_rpc`, `/update_weight_version`, `/resume`)
 only record that they were called, in order, as `(path, body)` in the list `calls` passed to
@@ -209,9 +210,11 @@ def build_app(
 
 
 def _scripted(reply: dict, versions: list[dict]) -> dict:
-    """A queued reply in the shape of `choice` (logprob -0.5 for every id)."""
+    """A queued reply in the shape of `choice` (its `logprobs`, if given, else -0.5 for every id)."""
     ids = reply["token_ids"]
-    entries = [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in ids]
+    logprobs = reply.get("logprobs") or [-0.5] * len(ids)
+    pairs = zip(ids, logprobs, strict=True)
+    entries = [{"token_id": i, "logprob": lp, "rank": 1, "top_logprobs": []} for i, lp in pairs]
     return {
         "index": 0,
         "token_ids": ids,

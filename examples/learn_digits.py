@@ -25,7 +25,7 @@ from openai import OpenAI
 
 from devtools import PROMPTS, build_tiny_model, digit_share
 from molt_proxy.launcher import ProxyServer
-from trainer.metrics import read
+from trainer.metrics import progress_line, read
 
 
 class Agents:
@@ -99,8 +99,10 @@ def main() -> None:
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--group-timeout", "30", "--seed", str(args.seed),
     ]  # fmt: skip
-    server = ProxyServer(model, db=out / "molt-proxy.db", args=flags)
-    print("starting vLLM, molt-proxy and the Ray trainer ...", flush=True)
+    # The proxy's log (one line per request) goes to a file; the progress lines are read back.
+    log = out / "molt-proxy.log"
+    server = ProxyServer(model, db=out / "molt-proxy.db", args=flags, log_path=log)
+    print(f"starting vLLM, molt-proxy and the Ray trainer (log: {log}) ...", flush=True)
     server.spawn()
     metrics = out / "train" / "metrics.jsonl"
     # The trainer is done once it drew its reward curve: every step taken or skipped (a solved
@@ -109,13 +111,17 @@ def main() -> None:
     agents = Agents(server.url, args.agents, args.group_size, curve.exists)
     try:
         server.wait(timeout_s=600)
+        print(f"watch the run: {server.url}/ui (trajectories, live) and {server.url}/metrics", flush=True)
         wait_for_trainer(server)
         agents.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
+        shown = 0
         while server.returncode is None and not curve.exists():
+            shown = show_progress(metrics, shown, args.steps)
             time.sleep(0.2)
         agents.join()
         server.process.wait()
+        show_progress(metrics, shown, args.steps)
     finally:
         agents.join()
         server.stop()
@@ -128,7 +134,20 @@ def main() -> None:
     print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
     if server.returncode != 0 or not records:
-        sys.exit(f"molt-proxy serve --train exited with {server.returncode} after {len(records)} steps")
+        exited = f"molt-proxy serve --train exited with {server.returncode}"
+        sys.exit(f"{exited} after {len(records)} steps (log: {log})")
+
+
+def show_progress(metrics: Path, shown: int, max_steps: int) -> int:
+    """Print the progress line of every step logged since the first `shown`; returns how many
+    are shown now (a line being written is left for the next call)."""
+    try:
+        records = read(metrics)
+    except ValueError:
+        return shown
+    for record in records[shown:]:
+        print(progress_line(record, max_steps), flush=True)
+    return len(records)
 
 
 def wait_for_trainer(server: ProxyServer, timeout_s: float = 600) -> None:

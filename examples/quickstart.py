@@ -29,10 +29,12 @@ def main() -> None:
         print("building a tiny Qwen3 model that knows the weather script ...")
         build_tiny_model(model, "qwen3")
     db = RUN / "molt-proxy.db"
-    for stale in RUN.glob("molt-proxy.db*"):
+    for stale in [*RUN.glob("molt-proxy.db*"), *RUN.glob("molt-proxy.log")]:
         stale.unlink()
-    print("starting vLLM (CPU) and molt-proxy ...")
-    proxy = ProxyServer(model, db=db, args=["--tool-call-parser", "hermes", "--max-model-len", "2048"])
+    log = RUN / "molt-proxy.log"  # one line per request: kept out of this script's output
+    print(f"starting vLLM (CPU) and molt-proxy (log: {log}) ...")
+    flags = ["--tool-call-parser", "hermes", "--max-model-len", "2048"]
+    proxy = ProxyServer(model, db=db, args=flags, log_path=log)
     try:
         url = proxy.start(timeout_s=600).url
         session = httpx.post(f"{url}/v1/sessions", json={"group_id": "weather"}).json()

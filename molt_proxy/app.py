@@ -23,6 +23,10 @@ from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision
 from molt_proxy.routes import router
 from molt_proxy.routes_responses import router as responses_router
+from molt_proxy.telemetry import Instrument
+from molt_proxy.telemetry import router as telemetry_router
+from molt_proxy.viewer import install_docs
+from molt_proxy.viewer import router as viewer_router
 from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
 
 log = logging.getLogger(__name__)
@@ -71,12 +75,17 @@ def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None
         async with proxy.running():
             yield
 
-    app = FastAPI(title="molt-proxy", lifespan=lifespan)
+    # /docs from local files (`viewer.py`); ReDoc would need a CDN.
+    app = FastAPI(title="molt-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = proxy
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(Instrument, telemetry=proxy.telemetry)  # outermost: it sees BodyLimit's 413s
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(telemetry_router)
+    app.include_router(viewer_router)
+    install_docs(app)
     return app
 
 

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from molt_proxy import logs
 from molt_proxy.config import Settings, default
 from trainer.config import add_arguments as add_trainer_arguments
 
@@ -48,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logs.configure(args.log_format)
 
     from molt_proxy.app import create_app
     from molt_proxy.auth import load_keys
@@ -83,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
         supervisors = {s.url: Supervisor(s, max_restarts=settings.max_restarts) for s in servers}
         app = create_app(settings, supervisors)
         if not args.train:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None)
             return 0
         _serve_and_train(app, args)
     finally:
@@ -102,7 +104,9 @@ def _serve_and_train(app, args: argparse.Namespace) -> None:
     from trainer.config import config_from_args
     from trainer.run import train
 
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", log_config=None)
+    )
     thread = threading.Thread(target=server.run, name="molt-proxy", daemon=True)
     thread.start()
     while not server.started:
@@ -255,6 +259,13 @@ def parser() -> argparse.ArgumentParser:
         " request; with no value: none)",
     )
     serve.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="text, or one JSON object a line; either way one line per request (session, segment,"
+        " turn, tokens, latency, replica, status), never message content or keys",
+    )
+    serve.add_argument(
         "--verify-prompt-ids",
         action="store_true",
         help="have vLLM echo prompt ids and fail a turn on any difference",
@@ -286,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure("text")
     args = parser().parse_args(argv)
     return args.run(args)
 

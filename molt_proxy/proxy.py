@@ -21,6 +21,7 @@ from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas, Supervision
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
+from molt_proxy.telemetry import Telemetry
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import SessionStatus, Trajectory
 from molt_proxy.upstream import Upstream
@@ -46,6 +47,7 @@ class Proxy:
         self.finalized = asyncio.Condition()
         """Notified whenever a session closes: trajectory streams wait on it for new rows."""
         self.refresh_lock = asyncio.Lock()
+        self.telemetry = Telemetry(lambda: len(self.sessions.open_sessions()), self.replicas.describe)
         self.sessions: Sessions
         self.completions: Completions
 
@@ -99,6 +101,7 @@ class Proxy:
     ) -> list[Trajectory]:
         trajectories = await self.sessions.close(session_id, reward, info, status)
         self.replicas.release(session_id)
+        self.telemetry.closed(trajectories)
         async with self.finalized:
             self.finalized.notify_all()
         return trajectories

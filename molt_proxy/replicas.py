@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, aclosing, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
 from molt_proxy.errors import MoltError, UpstreamUnavailable
+from molt_proxy.telemetry import upstream_called
 from molt_proxy.types import Generation
 from molt_proxy.upstream import ModelInfo, TokenDelta
 
@@ -232,7 +234,7 @@ class Replicas:
             replica = self._place(affinity, tried)
             tried.add(replica)
             replica.in_flight += 1
-            started = False
+            started, called = False, time.monotonic()
             try:
                 async with aclosing(call(replica.upstream)) as items:
                     async for item in items:
@@ -247,6 +249,7 @@ class Replicas:
                 continue
             finally:
                 replica.in_flight -= 1
+                upstream_called(replica.url, time.monotonic() - called)
             return
 
     def release(self, affinity: str) -> None:

@@ -353,7 +353,9 @@ async def refresh_weights(request: Request) -> dict[str, Any]:
         checked = check_version(version, folder, await proxy.store.last_weights())
         loaded = await proxy.replicas.refresh_weights(folder, checked)
         await proxy.store.save_weights(folder, checked)
-    return {"version": checked, "seconds": time.monotonic() - started, "replicas": loaded}
+    seconds = time.monotonic() - started
+    proxy.telemetry.refreshed(seconds)
+    return {"version": checked, "seconds": seconds, "replicas": loaded}
 
 
 @router.get("/health")

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+from molt_proxy import telemetry
 from molt_proxy.auth import OPEN, Principal, key_id, may_use
 from molt_proxy.echo import Returned
 from molt_proxy.errors import Conflict, NotFound
@@ -262,6 +263,8 @@ class Sessions:
                 sampling,
                 echo,
             )
+            position = len(session.segments[index].turns) - 1
+        telemetry.turn_recorded(session.id, index, position, len(plan.ids), len(generation.token_ids))
         turn.created = stored.created
         session.answered(index, request_hash, idempotency_key, reply)
         session.last_active = stored.created

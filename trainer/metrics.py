@@ -1,20 +1,46 @@
-"""Training metrics: one JSON line per step, a progress line, and the reward curve."""
+"""Training metrics: one JSON line per step, optionally the same as TensorBoard scalars, a
+progress line, and the reward curve."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    """`metrics.jsonl` at `path`, and with `tensorboard` every numeric field of each record as a
+    TensorBoard scalar in that folder too, under its own name (nested fields as `a/b`), at the
+    record's `step` and `time`. Generic over the fields: a new metric shows up in both."""
+
+    def __init__(self, path: Path, tensorboard: Path | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.board = None
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter  # only for runs that ask
+
+            self.board = SummaryWriter(str(tensorboard))
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            step, walltime = record.get("step"), record.get("time")
+            for name, value in scalars(record):
+                if name not in ("step", "time"):
+                    self.board.add_scalar(name, value, global_step=step, walltime=walltime)
+            self.board.flush()  # readable while the run goes on
+
+
+def scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """The numeric fields of a record (booleans as 0/1), nested dicts flattened to `a/b`."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, int | float):
+            yield f"{prefix}{key}", float(value)
 
 
 def read(path: Path) -> list[dict[str, Any]]:

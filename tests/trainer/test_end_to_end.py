@@ -21,7 +21,9 @@ def test_example_task_reward_climbs(tmp_path):
         text=True,
         timeout=1200,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = out / "molt-proxy.log"  # the proxy's and the trainer's own output
+    served = log.read_text()[-3000:] if log.exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + served
     assert "0 agent-visible errors" in result.stdout
     records = read(out / "train" / "metrics.jsonl")
     # A step taken writes a line; a skipped one (every advantage 0, e.g. a solved batch) does not.

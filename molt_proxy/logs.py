@@ -1,0 +1,37 @@
+"""How `serve` writes its log (`--log-format text|json`): every line, the proxy's, the trainer's
+and uvicorn's, through one handler on stderr. JSON puts one object a line, with the fields a
+line carries (`extra={"fields": {...}}`, as the request lines of `telemetry.py` do) at its top
+level, for log collectors that index them. Nothing here adds content: what a line says is up to
+whoever logs it, and no line of the proxy holds a message's content or a key."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+FORMATS = ("text", "json")
+TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line.update(fields)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure(log_format: str) -> None:
+    """Route every log record at INFO and above through one stderr handler in `log_format`."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)

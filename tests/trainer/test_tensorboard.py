@@ -1,0 +1,59 @@
+"""`--tensorboard DIR` (issue 15, item 3): every numeric metrics.jsonl field of a step is a
+TensorBoard scalar at that step, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from molt_proxy.cli import parser
+from trainer.config import config_from_args
+from trainer.metrics import MetricsLog, read
+
+
+def float32(value: float) -> float:
+    """`value` as TensorBoard stores a scalar (a float32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def test_every_numeric_field_of_every_step_reads_back_as_a_scalar(tmp_path: Path):
+    records = [
+        {"step": 1, "time": 1_700_000_000.5, "reward_mean": 0.125, "approx_kl": 1e-4, "tokens_per_s": 812.3,
+         "is_ratio": {"mean": 1.01, "max": 1.7}, "skipped_steps_zero_gradient": 0, "greedy": False,
+         "estimator": "grpo", "lag": None},
+        {"step": 2, "time": 1_700_000_030.25, "reward_mean": 0.5, "approx_kl": 3e-4, "tokens_per_s": 790.0,
+         "is_ratio": {"mean": 0.98, "max": 1.2}, "skipped_steps_zero_gradient": 1, "greedy": True,
+         "estimator": "grpo", "lag": None},
+    ]  # fmt: skip
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=tmp_path / "tb")
+    for record in records:
+        log.write(record)
+    assert read(tmp_path / "metrics.jsonl") == records  # the JSON lines are unchanged
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    numeric = {
+        "reward_mean": [0.125, 0.5],
+        "approx_kl": [1e-4, 3e-4],
+        "tokens_per_s": [812.3, 790.0],
+        "is_ratio/mean": [1.01, 0.98],
+        "is_ratio/max": [1.7, 1.2],
+        "skipped_steps_zero_gradient": [0.0, 1.0],
+        "greedy": [0.0, 1.0],
+    }
+    assert sorted(events.Tags()["scalars"]) == sorted(numeric)
+    for tag, values in numeric.items():
+        scalars = events.Scalars(tag)
+        assert [(s.step, s.wall_time, s.value) for s in scalars] == [
+            (1, 1_700_000_000.5, float32(values[0])),
+            (2, 1_700_000_030.25, float32(values[1])),
+        ]
+
+
+def test_the_tensorboard_flag_reaches_the_trainer_config(tmp_path: Path):
+    args = parser().parse_args(["serve", "--model", "m", "--train", "--tensorboard", str(tmp_path / "tb")])
+    assert config_from_args(args, "http://proxy", "m").tensorboard == tmp_path / "tb"
+    args = parser().parse_args(["serve", "--model", "m", "--train"])
+    assert config_from_args(args, "http://proxy", "m").tensorboard is None
