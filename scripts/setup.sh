@@ -14,6 +14,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 
+# The trajectory viewer's browser test (tests/test_viewer.py) runs Debian's chromium headless.
+# apt runs beside the Python installs (it took about 1.5 min here, mostly download).
+chromium=""
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "chromium could not be installed: the viewer's browser tests will skip" ) &
+  chromium=$!
+fi
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -e ".[gpu,dev]"
@@ -22,9 +31,7 @@ else
   uv pip install -q -e ".[cpu,dev]"
   uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# The trajectory viewer's browser test (tests/test_viewer.py) runs Debian's chromium headless.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
-    || echo "chromium could not be installed: the viewer's browser tests will skip"
+if [ -n "$chromium" ]; then
+  wait "$chromium"
 fi
 python -c "import vllm, transformers, ray, molt_proxy, devtools; print('molt-proxy ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
