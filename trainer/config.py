@@ -4,10 +4,10 @@ torch, so the command line (`molt-proxy serve --help`) builds in milliseconds.""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from molt_proxy.config import default
 from trainer.advantage import Estimator
@@ -130,7 +130,7 @@ class TrainerConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The trainer's flags; each default is the field's own, above or on `LossConfig`."""
-    train, loss = partial(default, TrainerConfig), partial(default, LossConfig)
+    train = partial(default, TrainerConfig)
     group = parser.add_argument_group("trainer")
     group.add_argument(
         "--train-out", default="runs/train", help="checkpoints, weights, metrics, reward curve"
@@ -152,9 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mini-batches", type=int, default=train("mini_batches"), help="optimizer steps per epoch"
     )
     group.add_argument("--refresh-every", type=int, default=train("refresh_every"))
-    group.add_argument("--max-staleness", type=int, default=loss("max_staleness"))
-    group.add_argument("--is-mode", choices=["truncate", "mask"], default=loss("is_mode"))
-    group.add_argument("--is-level", choices=["token", "sequence"], default=loss("is_level"))
     group.add_argument(
         "--num-workers", type=int, default=train("num_workers"), help=">1: FSDP2 data-parallel workers"
     )
@@ -174,6 +171,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "skip leaves them out of the loss (counted: constrained_tokens), train trains them against the "
         "unmasked policy (default: %(default)s)",
     )
+    _add_loss_arguments(parser.add_argument_group("trainer loss (trainer/loss.py)"))
+
+
+_LOSS_HELP = {
+    "clip_low": "PPO clip 1 - clip_low where A < 0: how far one update may lower a token",
+    "clip_high": "PPO clip 1 + clip_high where A > 0; above clip_low (clip-higher, DAPO): slows "
+    "entropy collapse",
+    "is_mode": "train/rollout weight pi_old/mu: truncate caps it at is_high (TIS), mask zeroes it outside "
+    "[is_low, is_high]",
+    "is_level": "that weight per token, or one geometric mean per sequence (judged whole)",
+    "is_low": "lower bound of --is-mode mask",
+    "is_high": "cap of truncate, upper bound of mask",
+    "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",
+}
+"""One line of why per `LossConfig` field; the flag, type, choices and default come from the field."""
+
+
+def _add_loss_arguments(group: argparse._ArgumentGroup) -> None:
+    """A flag per `LossConfig` field (`clip_low` -> `--clip-low`), its default the field's own."""
+    hints = get_type_hints(LossConfig)
+    for f in fields(LossConfig):
+        kind = hints[f.name]
+        options: dict = {"default": f.default, "help": f"{_LOSS_HELP[f.name]} (default: %(default)s)"}
+        if get_origin(kind) is Literal:
+            options["choices"] = get_args(kind)
+        elif kind == int | None:
+            options["type"] = _int_or_none
+        else:
+            options["type"] = kind
+        group.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
 
 
 def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> TrainerConfig:
@@ -192,7 +223,7 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
         refresh_every=args.refresh_every,
-        loss=LossConfig(max_staleness=args.max_staleness, is_mode=args.is_mode, is_level=args.is_level),
+        loss=LossConfig(**{f.name: getattr(args, f.name) for f in fields(LossConfig)}),
         num_workers=args.num_workers,
         ray_address=args.ray_address,
         seed=args.seed,
