@@ -14,6 +14,7 @@ from trainer.advantage import Estimator
 
 IsMode = Literal["truncate", "mask"]
 IsLevel = Literal["token", "sequence"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 ConstrainedTurns = Literal["train", "skip"]
 
 
@@ -43,6 +44,11 @@ class LossConfig:
     withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
     this is) trains well a few versions behind once decoupled PPO corrects for it."""
 
+    loss_agg: LossAgg = "token-mean"
+    """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
+    token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
+    sequence count (Dr.GRPO, no length bias); seq-mean-token-mean weighs every sequence alike."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
@@ -56,6 +62,8 @@ class LossConfig:
             raise ValueError(
                 f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
             )
+        if self.loss_agg not in get_args(LossAgg):
+            raise ValueError(f"loss_agg must be one of {get_args(LossAgg)}, got {self.loss_agg!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
 
@@ -183,6 +191,8 @@ _LOSS_HELP = {
     "is_level": "that weight per token, or one geometric mean per sequence (judged whole)",
     "is_low": "lower bound of --is-mode mask",
     "is_high": "cap of truncate, upper bound of mask",
+    "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
+    "or per sequence averaged (GRPO)",
     "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",
 }
 """One line of why per `LossConfig` field; the flag, type, choices and default come from the field."""

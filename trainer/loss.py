@@ -17,17 +17,28 @@ Three policies meet here, per sampled token t:
 
 The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
 
-    loss = -1/N * sum_{t kept} w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
+    loss = 1/D * sum_i sum_{t kept in i} c_i * l_t
+    l_t  = -w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
 
     r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it
     w_t = f(exp(pi_old_t - mu_t))       train/rollout importance weight, no gradient;
                                         f truncates or masks (`LossConfig.is_mode`)
-    N   = kept tokens of the whole optimizer step (its mini-batch), so micro-batches add up
-          to the full-batch loss
     kept = sampled (loss_mask 1) and at most `max_staleness` weight versions old
 
-Tokens masked by the importance weight stay in N: masking is an importance weight of zero,
-not a change of the sample, and N must be known before any micro-batch's forward pass.
+Aggregation (`--loss-agg`), over sequences i (rows: one segment each) and their n_i kept
+tokens, with D counted over the whole optimizer step (its mini-batch), so micro-batches add up
+to the full-batch loss:
+
+    token-mean            c_i = 1      D = kept tokens of the step (sum n_i)
+                          every token weighs the same; long answers weigh more (DAPO)
+    seq-mean-token-sum    c_i = 1      D = sequences of the step with a kept token
+                          a sequence's tokens add up; a constant normaliser, no length
+                          bias in the gradient (Dr.GRPO)
+    seq-mean-token-mean   c_i = 1/n_i  D = sequences of the step with a kept token
+                          every sequence weighs the same whatever its length (GRPO's paper)
+
+Tokens masked by the importance weight stay in n_i and D: masking is an importance weight of
+zero, not a change of the sample, and D must be known before any micro-batch's forward pass.
 """
 
 from __future__ import annotations
@@ -51,11 +62,27 @@ def _kept(loss_mask: Tensor, weight_versions: Tensor, current_version: int, conf
 def count_loss_tokens(
     loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig
 ) -> int:
-    """N of one micro-batch: add it up over the step's micro-batches for `num_tokens_in_step`.
-
-    loss_mask, weight_versions: [B,T]. Needs no forward pass, so it can run before the first.
-    """
+    """The kept tokens of one micro-batch. loss_mask, weight_versions: [B,T]."""
     return int(_kept(loss_mask, weight_versions, current_version, config).sum())
+
+
+def loss_denominator(
+    loss_mask: Tensor, weight_versions: Tensor, current_version: int, config: LossConfig
+) -> int:
+    """D of one micro-batch under `loss_agg`: its kept tokens, or its sequences with a kept
+    token. Add it up over the step's micro-batches for `policy_loss(denominator=)`; needs no
+    forward pass, so it can run before the first. loss_mask, weight_versions: [B,T]."""
+    kept = _kept(loss_mask, weight_versions, current_version, config)
+    return int(kept.sum() if config.loss_agg == "token-mean" else kept.any(dim=-1).sum())
+
+
+def _token_shares(kept: Tensor, config: LossConfig, dtype: torch.dtype) -> Tensor:
+    """[B,T] c_i on kept tokens, 0 elsewhere: what each token's term is multiplied by before
+    the sum that D divides."""
+    shares = kept.to(dtype)
+    if config.loss_agg == "seq-mean-token-mean":
+        shares = shares / shares.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    return shares
 
 
 # 2. Train/rollout importance weights --------------------------------------------------------
@@ -90,7 +117,7 @@ def policy_loss(
     config: LossConfig,
     *,
     old_logprobs: Tensor | None = None,
-    num_tokens_in_step: int | None = None,
+    denominator: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
 
@@ -102,8 +129,8 @@ def policy_loss(
     current_version: the trainer's weight version, for the staleness bound.
     old_logprobs: [B,T] log pi_old, the proximal policy; None uses rollout_logprobs, which
         makes every importance weight 1 and clips directly against the sampler.
-    num_tokens_in_step: N, the kept tokens of the whole step (sum of `count_loss_tokens`
-        over its micro-batches); None uses this micro-batch's own count.
+    denominator: D, of the whole step (the sum of `loss_denominator` over its micro-batches);
+        None uses this micro-batch's own.
 
     Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
     `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
@@ -114,12 +141,13 @@ def policy_loss(
     _check_shapes(logprobs, rollout_logprobs, old_logprobs, advantages, loss_mask, weight_versions)
     kept = _kept(loss_mask, weight_versions, current_version, config)
     local_tokens = int(kept.sum())
-    if num_tokens_in_step is None:
-        num_tokens_in_step = local_tokens
-    elif num_tokens_in_step < local_tokens:
+    local = loss_denominator(loss_mask, weight_versions, current_version, config)
+    if denominator is None:
+        denominator = local
+    elif denominator < local:
         raise ValueError(
-            f"num_tokens_in_step={num_tokens_in_step} is below this micro-batch's "
-            f"{local_tokens} kept tokens; sum count_loss_tokens over the step"
+            f"denominator={denominator} is below this micro-batch's own {local} "
+            f"({config.loss_agg}); sum loss_denominator over the step"
         )
 
     rollout = rollout_logprobs.detach()
@@ -135,7 +163,7 @@ def policy_loss(
 
     surrogate = torch.minimum(r * adv, r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv)
     per_token = torch.where(kept, -weight * surrogate, zeros)
-    loss = per_token.sum() / max(num_tokens_in_step, 1)
+    loss = (per_token * _token_shares(kept, config, per_token.dtype)).sum() / max(denominator, 1)
 
     with torch.no_grad():
         share = 1.0 / max(local_tokens, 1)

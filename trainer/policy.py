@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer.batch import Batch
 from trainer.config import LossConfig
-from trainer.loss import count_loss_tokens, policy_loss
+from trainer.loss import loss_denominator, policy_loss
 from trainer.sampling import TokenSampling, processed_logprobs
 
 # 1. Logprobs --------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ _SHARED = frozenset({"grad_norm", "optimizer_steps"})
 
 def merge_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     """One metrics dict from those of micro-batches or ranks: counts and the loss (already
-    divided by the step's N) add up, maxima take the max, shared values are taken once, and
+    divided by the step's D) add up, maxima take the max, shared values are taken once, and
     every other metric (a share or mean over kept tokens) is averaged weighted by kept tokens."""
     kept = sum(part["kept_tokens"] for part in parts)
     merged = {}
@@ -165,13 +165,13 @@ class Policy:
         loss: LossConfig,
         *,
         epochs: int = 1,
-        num_tokens: Sequence[int] | None = None,
+        denominators: Sequence[int] | None = None,
     ) -> dict[str, float]:
         """One trainer step: pi_old once, then `epochs` passes of one `train_step` per
         mini-batch (each a list of micro-batches).
 
-        num_tokens: N of each mini-batch; None counts them here (a data-parallel rank is
-            given the counts over all ranks).
+        denominators: D of each mini-batch (`loss_denominator`); None counts them here (a
+            data-parallel rank is given the counts over all ranks).
 
         Returns `merge_updates` of the updates' metrics; `optimizer_steps` is 0 when every
         update's gradient was zero, i.e. the step left the weights as they were.
@@ -180,16 +180,14 @@ class Policy:
             raise ValueError(
                 f"a step needs epochs >= 1 and a mini-batch, got {epochs} and {len(mini_batches)}"
             )
-        counts = list(num_tokens) if num_tokens is not None else [None] * len(mini_batches)
+        counts = list(denominators) if denominators is not None else [None] * len(mini_batches)
         if epochs == 1 and len(mini_batches) == 1:
-            update = self.train_step(mini_batches[0], current_version, loss, num_tokens_in_step=counts[0])
+            update = self.train_step(mini_batches[0], current_version, loss, denominator=counts[0])
             return merge_updates([update], 1)
         with torch.no_grad():
             old = [[self.logprobs(mb) for mb in mini_batch] for mini_batch in mini_batches]
         updates = [
-            self.train_step(
-                mini_batch, current_version, loss, num_tokens_in_step=count, old_logprobs=old_logprobs
-            )
+            self.train_step(mini_batch, current_version, loss, denominator=count, old_logprobs=old_logprobs)
             for _ in range(epochs)
             for mini_batch, count, old_logprobs in zip(mini_batches, counts, old, strict=True)
         ]
@@ -206,28 +204,29 @@ class Policy:
         current_version: int,
         loss: LossConfig,
         *,
-        num_tokens_in_step: int | None = None,
+        denominator: int | None = None,
         old_logprobs: Sequence[Tensor] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over all micro-batches, gradients accumulated in between.
 
         current_version: the trainer's weight version, for the staleness bound.
-        num_tokens_in_step: N, the kept tokens of the whole update. None counts them here; a
-            data-parallel rank is given the count over all ranks, so every token of the
-            update weighs 1/N wherever it was computed.
+        denominator: D of the whole update (`loss_denominator`: its kept tokens, or its
+            sequences, per `loss_agg`). None counts it here; a data-parallel rank is given the
+            count over all ranks, so every token of the update weighs the same wherever it
+            was computed.
         old_logprobs: [B,T] log pi_old of each micro-batch (`ppo_step` computes them before
             its first update); None takes this forward pass's own, detached: right while the
             weights are still those of pi_old.
 
         Returns `policy_loss`'s metrics merged over micro-batches (`kept_tokens` adds up to
-        N), `loss` (the update's loss), `grad_norm` (before clipping) and `optimizer_steps`
-        (1, or 0 when the gradient was exactly zero and the weights were left alone).
+        the update's kept tokens), `loss` (the update's loss), `grad_norm` (before clipping)
+        and `optimizer_steps` (1, or 0 when the gradient was exactly zero and the weights were left alone).
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        if num_tokens_in_step is None:
-            num_tokens_in_step = sum(
-                count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss)
+        if denominator is None:
+            denominator = sum(
+                loss_denominator(mb.loss_mask, mb.weight_versions, current_version, loss)
                 for mb in micro_batches
             )
         self.optimizer.zero_grad(set_to_none=True)
@@ -244,7 +243,7 @@ class Policy:
                 current_version,
                 loss,
                 old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[i],
-                num_tokens_in_step=num_tokens_in_step,
+                denominator=denominator,
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})
@@ -315,7 +314,7 @@ def _shard(model: nn.Module) -> None:
 
     Gradients are reduce-scattered as a plain SUM. By default FSDP2 averages them over the
     ranks (ReduceOp.AVG, or SUM then divide), which would scale the update by 1/world_size:
-    every rank's loss is already divided by the global N, so the sum of the ranks' gradients
+    every rank's loss is already divided by the global D, so the sum of the ranks' gradients
     is exactly the single-process gradient.
     """
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])

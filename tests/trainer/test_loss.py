@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from trainer.loss import LossConfig, count_loss_tokens, policy_loss
+from trainer.loss import LossConfig, count_loss_tokens, loss_denominator, policy_loss
 
 BASE = -1.0
 # Symmetric clipping and no staleness bound, for the tests that are about something else.
@@ -247,10 +247,10 @@ def test_micro_batches_divide_by_the_step_token_count() -> None:
     # micro-batch 1: one token with loss -1; micro-batch 2: three tokens with loss +1 each
     mask_1, mask_2 = torch.tensor([[1, 0, 0]]), ones(1, 3)
     part_1, _ = policy_loss(
-        base(1, 3), base(1, 3), adv(1.0), mask_1, versions(mask_1), 0, PLAIN, num_tokens_in_step=4
+        base(1, 3), base(1, 3), adv(1.0), mask_1, versions(mask_1), 0, PLAIN, denominator=4
     )
     part_2, _ = policy_loss(
-        base(1, 3), base(1, 3), adv(-1.0), mask_2, versions(mask_2), 0, PLAIN, num_tokens_in_step=4
+        base(1, 3), base(1, 3), adv(-1.0), mask_2, versions(mask_2), 0, PLAIN, denominator=4
     )
     # (-1 + 3) / 4, where averaging the two micro-batch means would give (-1 + 1) / 2 = 0
     assert (part_1 + part_2).item() == pytest.approx(0.5)
@@ -261,6 +261,8 @@ def test_micro_batches_divide_by_the_step_token_count() -> None:
     [
         LossConfig(max_staleness=1),
         LossConfig(is_mode="mask", is_level="sequence", is_low=0.8, is_high=1.25, max_staleness=1),
+        LossConfig(max_staleness=1, loss_agg="seq-mean-token-sum"),
+        LossConfig(max_staleness=1, loss_agg="seq-mean-token-mean"),
     ],
 )
 def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: LossConfig) -> None:
@@ -283,7 +285,7 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
             3,
             config,
             old_logprobs=old[rows],
-            num_tokens_in_step=num_tokens,
+            denominator=num_tokens,
         )
 
     whole, metrics = run(slice(0, 4), None)
@@ -291,8 +293,9 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
 
     parts = [slice(0, 1), slice(1, 4)]
-    step_tokens = sum(count_loss_tokens(mask[p], weight_versions[p], 3, config) for p in parts)
-    assert step_tokens == 1 + 3 + 0 + 4
+    step_tokens = sum(loss_denominator(mask[p], weight_versions[p], 3, config) for p in parts)
+    # kept tokens 1 + 3 + 0 + 4, or the 3 sequences with a kept token (the stale one is not)
+    assert step_tokens == (8 if config.loss_agg == "token-mean" else 3)
     summed = sum(run(p, step_tokens)[0] for p in parts)
     (summed_grad,) = torch.autograd.grad(summed, logprobs)
     assert summed.item() == pytest.approx(whole.item())
@@ -302,6 +305,35 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
     # the naive mean of micro-batch means differs (1 token vs 7), so the test can fail
     naive = sum(run(p, None)[0] for p in parts) / len(parts)
     assert naive.item() != pytest.approx(whole.item())
+
+
+# Loss aggregation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected_loss", "grads"),
+    [
+        # 4 kept tokens; terms -1, -1, -1 (A = 1) and +2 (A = -2), each over D = 4
+        ("token-mean", (-3 + 2) / 4, (-1 / 4, 2 / 4)),
+        # sums per sequence -3 and +2, over D = 2 sequences
+        ("seq-mean-token-sum", (-3 + 2) / 2, (-1 / 2, 2 / 2)),
+        # means per sequence -1 and +2, over D = 2: each token of seq 0 weighs 1/3
+        ("seq-mean-token-mean", (-1 + 2) / 2, (-1 / 6, 2 / 2)),
+    ],
+)
+def test_loss_aggregation_normalises_as_documented(
+    agg: str, expected_loss: float, grads: tuple[float, float]
+) -> None:
+    config = LossConfig(clip_low=0.2, clip_high=0.2, max_staleness=None, loss_agg=agg)  # type: ignore[arg-type]
+    mask = torch.tensor([[1, 1, 1], [0, 1, 0]])
+    logprobs = base(2, 3).requires_grad_()
+    loss, _ = policy_loss(logprobs, base(2, 3), adv(1.0, -2.0), mask, versions(mask), 0, config)
+    assert loss.item() == pytest.approx(expected_loss)
+    assert loss_denominator(mask, versions(mask), 0, config) == (4 if agg == "token-mean" else 2)
+    loss.backward()
+    seq_0, seq_1 = grads
+    expected = [[seq_0, seq_0, seq_0], [0.0, seq_1, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected, dtype=torch.float64))
 
 
 # Robustness and validation ----------------------------------------------------------------
@@ -318,10 +350,10 @@ def test_padding_with_extreme_values_leaves_loss_and_gradient_finite() -> None:
     assert all(math.isfinite(v) for v in metrics.values())
 
 
-def test_num_tokens_in_step_below_the_local_count_is_refused() -> None:
+def test_denominator_below_the_local_count_is_refused() -> None:
     mask = ones(1, 3)
-    with pytest.raises(ValueError, match="num_tokens_in_step"):
-        policy_loss(base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, num_tokens_in_step=2)
+    with pytest.raises(ValueError, match="denominator=2 is below"):
+        policy_loss(base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, denominator=2)
 
 
 def test_mismatched_shapes_are_refused() -> None:
@@ -342,6 +374,7 @@ def test_mismatched_shapes_are_refused() -> None:
         {"is_low": 1.5},
         {"is_high": 0.9},
         {"max_staleness": -1},
+        {"loss_agg": "sum"},
     ],
 )
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:
