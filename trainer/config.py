@@ -13,7 +13,7 @@ from molt_proxy.config import default
 from trainer.advantage import Estimator
 
 IsMode = Literal["truncate", "mask"]
-IsLevel = Literal["token", "sequence"]
+Level = Literal["token", "sequence"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 ConstrainedTurns = Literal["train", "skip"]
 
@@ -31,7 +31,7 @@ class LossConfig:
     """truncate: w = min(ratio, is_high) (TIS, Yao et al. 2025); every token trains, the
     variance is bounded, at a small bias. mask: w = ratio inside [is_low, is_high], else 0;
     tokens the trainer and the sampler disagree about are dropped instead of trusted a bit."""
-    is_level: IsLevel = "token"
+    is_level: Level = "token"
     """token: a ratio per token. sequence: the geometric mean of the token ratios over the
     sequence's kept tokens, shared by all of them; a sequence is judged (and masked) whole.
     The geometric mean sits much closer to 1, so the sequence level wants tighter bounds."""
@@ -44,6 +44,12 @@ class LossConfig:
     withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
     this is) trains well a few versions behind once decoupled PPO corrects for it."""
 
+    ratio_level: Level = "token"
+    """The PPO ratio pi/pi_old and its clip. token: per token (PPO). sequence: GSPO (Zheng et
+    al. 2025), s_i = exp(mean over the sequence's kept tokens of log(pi/pi_old)), clipped once
+    per sequence and shared by its tokens; its gradient is the mean of the tokens'. GSPO's
+    objective is this with `--loss-agg seq-mean-token-mean` and far tighter clips (3e-4, 4e-4
+    in the paper), since a geometric mean stays close to 1."""
     loss_agg: LossAgg = "token-mean"
     """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
     token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
@@ -56,8 +62,9 @@ class LossConfig:
             raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
         if self.is_mode not in ("truncate", "mask"):
             raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
-        if self.is_level not in ("token", "sequence"):
-            raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
+        for name in ("is_level", "ratio_level"):
+            if getattr(self, name) not in get_args(Level):
+                raise ValueError(f"{name} must be 'token' or 'sequence', got {getattr(self, name)!r}")
         if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
             raise ValueError(
                 f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
@@ -191,6 +198,7 @@ _LOSS_HELP = {
     "is_level": "that weight per token, or one geometric mean per sequence (judged whole)",
     "is_low": "lower bound of --is-mode mask",
     "is_high": "cap of truncate, upper bound of mask",
+    "ratio_level": "PPO ratio and clip per token, or per sequence (GSPO: geometric mean of the token ratios)",
     "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
     "or per sequence averaged (GRPO)",
     "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",

@@ -20,7 +20,10 @@ The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
     loss = 1/D * sum_i sum_{t kept in i} c_i * l_t
     l_t  = -w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
 
-    r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it
+    r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it. With
+                                        `ratio_level` sequence (GSPO), every token of
+                                        sequence i has r_t = s_i = exp(mean over its kept
+                                        tokens of (pi_t - pi_old_t)), clipped as one
     w_t = f(exp(pi_old_t - mu_t))       train/rollout importance weight, no gradient;
                                         f truncates or masks (`LossConfig.is_mode`)
     kept = sampled (loss_mask 1) and at most `max_staleness` weight versions old
@@ -95,13 +98,19 @@ def _importance_weights(log_ratio: Tensor, kept: Tensor, config: LossConfig) -> 
     geometric mean of the token ratios, broadcast over the sequence.
     """
     if config.is_level == "sequence":
-        tokens = kept.sum(dim=-1, keepdim=True).clamp(min=1)
-        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / tokens).expand_as(log_ratio)
+        log_ratio = _sequence_mean(log_ratio, kept)
     ratio = log_ratio.exp()
     if config.is_mode == "truncate":
         return ratio, ratio.clamp(max=config.is_high)
     inside = (ratio >= config.is_low) & (ratio <= config.is_high)
     return ratio, torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+def _sequence_mean(values: Tensor, kept: Tensor) -> Tensor:
+    """[B,T]: each row's mean over its kept tokens of `values` (0 where not kept), on every
+    position of the row."""
+    tokens = kept.sum(dim=-1, keepdim=True).clamp(min=1)
+    return (values.sum(dim=-1, keepdim=True) / tokens).expand_as(values)
 
 
 # 3. The loss --------------------------------------------------------------------------------
@@ -157,6 +166,8 @@ def policy_loss(
     # Padding may hold any value (even -inf); zero the log ratios there before exp so that
     # neither the loss nor the gradient can become inf or nan.
     log_r = torch.where(kept, logprobs - old, zeros)
+    if config.ratio_level == "sequence":
+        log_r = _sequence_mean(log_r, kept)
     r = log_r.exp()
     with torch.no_grad():
         is_ratio, weight = _importance_weights(torch.where(kept, old - rollout, zeros), kept, config)

@@ -6,6 +6,7 @@ expected number below is plain arithmetic on the ratios.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -123,6 +124,33 @@ def test_loss_gradient_raises_good_tokens_and_lowers_bad_ones() -> None:
     after = sampled_logprobs()
     assert (after[0] > rollout[0]).all()  # A > 0: more likely
     assert (after[1] < rollout[1]).all()  # A < 0: less likely
+
+
+def test_sequence_ratio_clips_each_sequence_as_one_gspo() -> None:
+    token_level = LossConfig(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean", max_staleness=None)
+    config = dataclasses.replace(token_level, ratio_level="sequence")
+    mask = ones(3, 2)
+    # pi / pi_old per token; s = geometric mean per sequence: 1, 2, 0.5
+    logprobs = logprobs_at([[2.0, 0.5], [4.0, 1.0], [0.25, 1.0]], grad=True)
+    loss, metrics = policy_loss(
+        logprobs, base(3, 2), adv(1.0, 1.0, -1.0), mask, versions(mask), 0, config, old_logprobs=base(3, 2)
+    )
+    # s=1, A=+1: -1 (token level would clip the 2 to 1.2: -(1.2 + 0.5) / 2)
+    # s=2, A=+1: min(2, 1.2) -> -1.2, clipped high as a whole; s=0.5, A=-1: min(-0.5, -0.8) -> +0.8
+    assert loss.item() == pytest.approx((-1 - 1.2 + 0.8) / 3)
+    loss.backward()
+    # only sequence 0 has a gradient: d(-s / 3) / d pi_t = -(s / 2) / 3 for each of its 2 tokens
+    expected = [[-1 / 6, -1 / 6], [0.0, 0.0], [0.0, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected, dtype=torch.float64))
+    assert metrics["clip_frac_high"] == pytest.approx(2 / 6)
+    assert metrics["clip_frac_low"] == pytest.approx(2 / 6)
+
+    advantages, old = adv(1.0, 1.0, -1.0), base(3, 2)
+    per_token, _ = policy_loss(
+        logprobs, base(3, 2), advantages, mask, versions(mask), 0, token_level, old_logprobs=old
+    )
+    # per token: (-(1.2 + 0.5) / 2 - (1.2 + 1) / 2 + (0.8 + 1) / 2) / 3
+    assert per_token.item() == pytest.approx((-1.7 / 2 - 2.2 / 2 + 1.8 / 2) / 3)
 
 
 # Train/rollout importance weights ------------------------------------------------------------
@@ -375,6 +403,7 @@ def test_mismatched_shapes_are_refused() -> None:
         {"is_high": 0.9},
         {"max_staleness": -1},
         {"loss_agg": "sum"},
+        {"ratio_level": "batch"},
     ],
 )
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:
