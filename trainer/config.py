@@ -50,6 +50,9 @@ class LossConfig:
     per sequence and shared by its tokens; its gradient is the mean of the tokens'. GSPO's
     objective is this with `--loss-agg seq-mean-token-mean` and far tighter clips (3e-4, 4e-4
     in the paper), since a geometric mean stays close to 1."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: this times the policy's entropy at each kept token is subtracted
+    from the loss. 0 (the default; DAPO and Dr.GRPO use none): the entropy is only logged."""
     loss_agg: LossAgg = "token-mean"
     """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
     token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
@@ -69,6 +72,8 @@ class LossConfig:
             raise ValueError(
                 f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
             )
+        if self.entropy_coef < 0.0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.loss_agg not in get_args(LossAgg):
             raise ValueError(f"loss_agg must be one of {get_args(LossAgg)}, got {self.loss_agg!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -199,6 +204,7 @@ _LOSS_HELP = {
     "is_low": "lower bound of --is-mode mask",
     "is_high": "cap of truncate, upper bound of mask",
     "ratio_level": "PPO ratio and clip per token, or per sequence (GSPO: geometric mean of the token ratios)",
+    "entropy_coef": "entropy bonus per kept token (the entropy is logged whatever this is)",
     "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
     "or per sequence averaged (GRPO)",
     "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",

@@ -19,6 +19,10 @@ The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
 
     loss = 1/D * sum_i sum_{t kept in i} c_i * l_t
     l_t  = -w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
+           - entropy_coef * H_t
+
+    H_t = entropy of pi at t (of the distribution the token was drawn from), with gradient:
+          a bonus that keeps the policy from collapsing early; off (0) by default
 
     r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it. With
                                         `ratio_level` sequence (GSPO), every token of
@@ -127,6 +131,7 @@ def policy_loss(
     *,
     old_logprobs: Tensor | None = None,
     denominator: int | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
 
@@ -140,16 +145,19 @@ def policy_loss(
         makes every importance weight 1 and clips directly against the sampler.
     denominator: D, of the whole step (the sum of `loss_denominator` over its micro-batches);
         None uses this micro-batch's own.
+    entropy: [B,T] the entropy of pi at each token's position (the distribution it was drawn
+        from); logged, and `entropy_coef` times it subtracted from each kept token's term
+        (with its gradient) when that is above 0.
 
     Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
     `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
     `is_ratio_mean` / `is_ratio_max` of exp(pi_old - mu) at the configured level;
     `is_truncated_frac` / `is_masked_frac`, the share whose weight was capped / zeroed;
-    `approx_kl`, the k3 estimate of KL(mu || pi): mean of rho - 1 - log rho, rho = pi / mu.
+    `approx_kl`, the k3 estimate of KL(mu || pi): mean of rho - 1 - log rho, rho = pi / mu;
+    `entropy`, the mean entropy (when given).
     """
     _check_shapes(logprobs, rollout_logprobs, old_logprobs, advantages, loss_mask, weight_versions)
     kept = _kept(loss_mask, weight_versions, current_version, config)
-    local_tokens = int(kept.sum())
     local = loss_denominator(loss_mask, weight_versions, current_version, config)
     if denominator is None:
         denominator = local
@@ -173,28 +181,47 @@ def policy_loss(
         is_ratio, weight = _importance_weights(torch.where(kept, old - rollout, zeros), kept, config)
 
     surrogate = torch.minimum(r * adv, r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv)
-    per_token = torch.where(kept, -weight * surrogate, zeros)
+    per_token = -weight * surrogate
+    if entropy is not None and config.entropy_coef > 0:
+        per_token = per_token - config.entropy_coef * entropy
+    per_token = torch.where(kept, per_token, zeros)
     loss = (per_token * _token_shares(kept, config, per_token.dtype)).sum() / max(denominator, 1)
 
     with torch.no_grad():
-        share = 1.0 / max(local_tokens, 1)
+        metrics = _metrics(kept, loss_mask, adv, r, is_ratio, weight, config)
+        share = 1.0 / max(int(kept.sum()), 1)
         rho_log = torch.where(kept, logprobs - rollout, zeros)
-        k3 = rho_log.exp() - 1.0 - rho_log
-        # the min picks the clipped term (no gradient) only on the side the advantage points to
-        clipped_low = kept & (adv < 0) & (r < 1.0 - config.clip_low)
-        clipped_high = kept & (adv > 0) & (r > 1.0 + config.clip_high)
-        metrics = {
-            "kept_tokens": float(local_tokens),
-            "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
-            "clip_frac_low": share * float(clipped_low.sum()),
-            "clip_frac_high": share * float(clipped_high.sum()),
-            "is_ratio_mean": share * float(is_ratio[kept].sum()),
-            "is_ratio_max": float(is_ratio[kept].max()) if local_tokens else 0.0,
-            "is_truncated_frac": share * float((kept & (weight > 0) & (weight < is_ratio)).sum()),
-            "is_masked_frac": share * float((kept & (weight == 0)).sum()),
-            "approx_kl": share * float(k3.sum()),
-        }
+        metrics["approx_kl"] = share * float((rho_log.exp() - 1.0 - rho_log).sum())
+        if entropy is not None:
+            metrics["entropy"] = share * float(entropy[kept].sum())
     return loss, metrics
+
+
+def _metrics(
+    kept: Tensor,
+    loss_mask: Tensor,
+    adv: Tensor,
+    r: Tensor,
+    is_ratio: Tensor,
+    weight: Tensor,
+    config: LossConfig,
+) -> dict[str, float]:
+    """Token counts, and the clip and importance-weight statistics over kept tokens."""
+    local_tokens = int(kept.sum())
+    share = 1.0 / max(local_tokens, 1)
+    # the min picks the clipped term (no gradient) only on the side the advantage points to
+    clipped_low = kept & (adv < 0) & (r < 1.0 - config.clip_low)
+    clipped_high = kept & (adv > 0) & (r > 1.0 + config.clip_high)
+    return {
+        "kept_tokens": float(local_tokens),
+        "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
+        "clip_frac_low": share * float(clipped_low.sum()),
+        "clip_frac_high": share * float(clipped_high.sum()),
+        "is_ratio_mean": share * float(is_ratio[kept].sum()),
+        "is_ratio_max": float(is_ratio[kept].max()) if local_tokens else 0.0,
+        "is_truncated_frac": share * float((kept & (weight > 0) & (weight < is_ratio)).sum()),
+        "is_masked_frac": share * float((kept & (weight == 0)).sum()),
+    }
 
 
 def _check_shapes(

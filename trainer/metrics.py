@@ -29,7 +29,8 @@ def progress_line(record: dict[str, Any], max_steps: int) -> str:
     return (
         f"step {record['step']:>4}/{max_steps} {bar} reward {record['reward_mean']:+.3f} "
         f"| {record['tokens_per_s']:,.0f} tok/s | kl {record.get('approx_kl', 0.0):.4f} "
-        f"| staleness {record['staleness_mean']:.2f} | refresh {record.get('refresh_s', 0.0):.2f}s"
+        f"| entropy {record.get('entropy', 0.0):.3f} | staleness {record['staleness_mean']:.2f} "
+        f"| refresh {record.get('refresh_s', 0.0):.2f}s"
     )
 
 

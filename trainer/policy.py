@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM
 from trainer.batch import Batch
 from trainer.config import LossConfig
 from trainer.loss import loss_denominator, policy_loss
-from trainer.sampling import TokenSampling, processed_logprobs
+from trainer.sampling import TokenSampling, processed_logprobs, processed_logprobs_and_entropy
 
 # 1. Logprobs --------------------------------------------------------------------------------
 
@@ -72,8 +72,31 @@ def token_logprobs(
         picked = picked.squeeze(-1)
     else:
         picked = processed_logprobs(logits, input_ids[:, 1:], sampling.shifted())
-    logprobs = nn.functional.pad(picked, (1, 0))
-    return torch.where(attention_mask.bool(), logprobs, torch.zeros_like(logprobs))
+    return _aligned(picked, attention_mask)
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    sampling: TokenSampling,
+    *,
+    entropy_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs`, and [B,T] the entropy of the distribution each token was drawn from,
+    aligned the same way: one forward, one log_softmax. With a gradient only when
+    `entropy_grad` (an entropy bonus); logging it costs an exp and a sum over [B,T,V]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    picked, entropy = processed_logprobs_and_entropy(
+        logits, input_ids[:, 1:], sampling.shifted(), entropy_grad=entropy_grad
+    )
+    return _aligned(picked, attention_mask), _aligned(entropy, attention_mask)
+
+
+def _aligned(values: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B,T-1] values of the next token -> [B,T] at the token's position, 0 at 0 and on padding."""
+    out = nn.functional.pad(values, (1, 0))
+    return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
 
 
 # 2. Metrics ---------------------------------------------------------------------------------
@@ -233,7 +256,9 @@ class Policy:
         parts = []
         for i, micro_batch in enumerate(micro_batches):
             mb = micro_batch.to(self.device)
-            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
+            logprobs, entropy = token_logprobs_and_entropy(
+                self.model, mb.input_ids, mb.attention_mask, mb.sampling, entropy_grad=loss.entropy_coef > 0
+            )
             value, metrics = policy_loss(
                 logprobs,
                 mb.rollout_logprobs,
@@ -244,6 +269,7 @@ class Policy:
                 loss,
                 old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[i],
                 denominator=denominator,
+                entropy=entropy,
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})

@@ -164,22 +164,52 @@ def processed_logprobs(logits: Tensor, targets: Tensor, sampling: TokenSampling)
     Truncation works on copies of its own positions' rows only, and top-p, which sorts the
     vocabulary, only on the rows that have top_p < 1.
     """
+    return _processed(logits, targets, sampling, None)[0]
+
+
+def processed_logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, *, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """`processed_logprobs` and [B,T] the entropy of each position's processed distribution
+    (the one its token was drawn from), from the same log_softmax. `entropy_grad`: whether the
+    entropy carries a gradient (an entropy bonus in the loss) or is only logged."""
+    logprobs, entropy = _processed(logits, targets, sampling, entropy_grad)
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def entropy_of(logp: Tensor, grad: bool) -> Tensor:
+    """[...] -sum_v p_v log p_v over the last dimension of log probabilities `logp` [..., V];
+    tokens outside the support (-inf) add 0, with a zero gradient."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        p = logp.exp()
+        return -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
+
+
+def _processed(
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, entropy_grad: bool | None
+) -> tuple[Tensor, Tensor | None]:
+    """(log pi(targets), entropy or None when `entropy_grad` is None), both [B,T]."""
     temperature = sampling.temperature
     scale = torch.where(temperature < GREEDY_BELOW, torch.ones_like(temperature), temperature)
     if bool((scale != 1.0).any()):
         logits = logits / scale.unsqueeze(-1)
-    picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = logits.log_softmax(dim=-1, dtype=torch.float32)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None if entropy_grad is None else entropy_of(logp, entropy_grad)
     truncated = (sampling.top_k > 0) | (sampling.top_p < 1.0) | (sampling.min_p > 0.0)
     if not bool(truncated.any()):
-        return picked
+        return picked, entropy
     where = truncated.nonzero(as_tuple=True)
     rows = logits[where]
     with torch.no_grad():
         kept = kept_tokens(rows, sampling.top_k[where], sampling.top_p[where], sampling.min_p[where])
-    masked = rows.masked_fill(~kept, -math.inf)
-    own = masked.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    own_logp = rows.masked_fill(~kept, -math.inf).log_softmax(dim=-1, dtype=torch.float32)
+    own = own_logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
     own = torch.where(torch.isinf(own), torch.full_like(own, OUTSIDE_SUPPORT), own)
-    return picked.index_put(where, own)
+    if entropy is not None:
+        entropy = entropy.index_put(where, entropy_of(own_logp, bool(entropy_grad)))
+    return picked.index_put(where, own), entropy
 
 
 def kept_tokens(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

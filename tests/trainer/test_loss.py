@@ -235,6 +235,21 @@ def test_approx_kl_is_the_k3_estimate_against_the_rollout() -> None:
     assert metrics["approx_kl"] == pytest.approx((1 - math.log(2)) / 2)
 
 
+def test_entropy_is_logged_and_its_bonus_subtracted_per_kept_token() -> None:
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    entropy = torch.tensor([[9.0, 1.0, 2.0], [9.0, 3.0, 9.0]], dtype=torch.float64, requires_grad=True)
+    args = (base(2, 3), base(2, 3), adv(1.0, -1.0), mask, versions(mask), 0)
+    loss, metrics = policy_loss(*args, PLAIN, entropy=entropy)
+    # no bonus: (-1 - 1 + 1) / 3; the entropy mean is over the 3 sampled tokens, not the 9s
+    assert loss.item() == pytest.approx(-1 / 3)
+    assert metrics["entropy"] == pytest.approx((1 + 2 + 3) / 3)
+    bonus, _ = policy_loss(*args, dataclasses.replace(PLAIN, entropy_coef=0.1), entropy=entropy)
+    assert bonus.item() == pytest.approx(-1 / 3 - 0.1 * (1 + 2 + 3) / 3)
+    bonus.backward()
+    expected = [[0.0, -0.1 / 3, -0.1 / 3], [0.0, -0.1 / 3, 0.0]]  # d(-0.1 * H_t / 3) / d H_t
+    assert torch.allclose(entropy.grad, torch.tensor(expected, dtype=torch.float64))
+
+
 # Staleness --------------------------------------------------------------------------------
 
 
@@ -404,6 +419,7 @@ def test_mismatched_shapes_are_refused() -> None:
         {"max_staleness": -1},
         {"loss_agg": "sum"},
         {"ratio_level": "batch"},
+        {"entropy_coef": -0.01},
     ],
 )
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:
