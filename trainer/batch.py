@@ -60,9 +60,10 @@ class Batch:
             part = tokens.index(min(tokens))
             rows[part].append(row)
             tokens[part] += lengths[row]
-        return [self._select(sorted(part)) if part else _masked_row() for part in rows]
+        return [self.select(sorted(part)) if part else _masked_row() for part in rows]
 
-    def _select(self, rows: list[int]) -> Batch:
+    def select(self, rows: list[int]) -> Batch:
+        """These rows, in this order, trimmed to their longest."""
         index = torch.tensor(rows)
         length = int(self.attention_mask[index].sum(dim=1).max())
         # indexing copies: a view pickled to another process would carry the whole batch

@@ -14,6 +14,8 @@ from trainer.advantage import Estimator
 
 IsMode = Literal["truncate", "mask"]
 Level = Literal["token", "sequence"]
+KlEstimator = Literal["k1", "k2", "k3"]
+KlIn = Literal["loss", "reward"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 ConstrainedTurns = Literal["train", "skip"]
 
@@ -53,29 +55,40 @@ class LossConfig:
     entropy_coef: float = 0.0
     """An entropy bonus: this times the policy's entropy at each kept token is subtracted
     from the loss. 0 (the default; DAPO and Dr.GRPO use none): the entropy is only logged."""
+    kl_coef: float = 0.0
+    """beta of a KL penalty towards a frozen reference policy, the initial weights. 0 (the
+    default, as in DAPO and Dr.GRPO, which found it only slows learning): no reference model
+    is loaded at all. Above 0 the trainer holds a second copy of the model and runs one more
+    forward per micro-batch (bench/RESULTS.md, block 4)."""
+    kl_estimator: KlEstimator = "k3"
+    """Per sampled token, with x = log ref - log pi: k1 = -x (unbiased, can be negative), k2 =
+    x^2 / 2, k3 = e^x - 1 - x (unbiased for KL(pi || ref), never negative, low variance:
+    GRPO's); Schulman, "Approximating KL divergence" (2020)."""
+    kl_in: KlIn = "loss"
+    """loss: beta * k_t is added to every kept token's term, with its gradient (GRPO). reward:
+    beta times the sum of k_t over a trajectory's sampled tokens (pi there: the sampler's mu)
+    is subtracted from its reward before the advantages (PPO-RLHF); per turn with
+    `--turn-discount`."""
     loss_agg: LossAgg = "token-mean"
     """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
     token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
     sequence count (Dr.GRPO, no length bias); seq-mean-token-mean weighs every sequence alike."""
 
     def __post_init__(self) -> None:
+        hints = get_type_hints(LossConfig)
+        for f in fields(self):
+            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else ()
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.is_mode not in ("truncate", "mask"):
-            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
-        for name in ("is_level", "ratio_level"):
-            if getattr(self, name) not in get_args(Level):
-                raise ValueError(f"{name} must be 'token' or 'sequence', got {getattr(self, name)!r}")
+        for name in ("clip_high", "entropy_coef", "kl_coef"):
+            if getattr(self, name) < 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
             raise ValueError(
                 f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
             )
-        if self.entropy_coef < 0.0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
-        if self.loss_agg not in get_args(LossAgg):
-            raise ValueError(f"loss_agg must be one of {get_args(LossAgg)}, got {self.loss_agg!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
 
@@ -144,6 +157,8 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.loss.kl_coef > 0 and self.num_workers > 1:
+            raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
             raise ValueError(f"constrained_turns must be 'train' or 'skip', got {self.constrained_turns!r}")
 
@@ -205,6 +220,9 @@ _LOSS_HELP = {
     "is_high": "cap of truncate, upper bound of mask",
     "ratio_level": "PPO ratio and clip per token, or per sequence (GSPO: geometric mean of the token ratios)",
     "entropy_coef": "entropy bonus per kept token (the entropy is logged whatever this is)",
+    "kl_coef": "beta of a KL penalty towards the initial weights; 0: no reference model loaded",
+    "kl_estimator": "per-token KL estimate: k1 (log ratio), k2 (half its square), k3 (low variance, >= 0)",
+    "kl_in": "the penalty in each token's loss term (GRPO), or subtracted from the reward (PPO-RLHF)",
     "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
     "or per sequence averaged (GRPO)",
     "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",

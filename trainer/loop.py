@@ -36,29 +36,17 @@ import torch
 
 from molt_proxy.types import Trajectory
 from trainer import checkpoint
-from trainer.advantage import Estimator, compute_advantages, update_baseline
+from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
+from trainer.credit import group_advantages, reward_kl
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
 from trainer.source import TrajectoryStream
 
 log = logging.getLogger(__name__)
 _BASELINE_DECAY = 0.9
-
-
-def group_advantages(groups: list[Group], estimator: Estimator, baseline: float | None) -> list[float]:
-    """One advantage per trajectory: computed over the group's sessions (one reward each) and
-    shared by all segments of a session."""
-    advantages = []
-    for group in groups:
-        rewards = {t.session_id: t.reward for t in group.trajectories}
-        sessions = list(rewards)
-        values = compute_advantages([rewards[s] for s in sessions], estimator, baseline=baseline or 0.0)
-        by_session = dict(zip(sessions, values, strict=True))
-        advantages += [by_session[t.session_id] for t in group.trajectories]
-    return advantages
 
 
 def has_fresh_tokens(group: Group, version: int, max_staleness: int | None) -> bool:
@@ -125,13 +113,15 @@ class Trainer:
         config, state = self.config, self.state
         started = time.monotonic()
         trajectories = [t for g in groups for t in g.trajectories]
-        advantages = group_advantages(groups, config.estimator, state.baseline)
         batch = collate(
             trajectories,
-            advantages,
+            [0.0] * len(trajectories),
             train_greedy=config.train_greedy,
             train_constrained=config.constrained_turns == "train",
         )
+        penalties, kl_metrics = self._reward_kl(batch, trajectories)
+        advantages = group_advantages(groups, config.estimator, state.baseline, penalties=penalties)
+        batch.advantages = torch.tensor(advantages, dtype=torch.float32)
         state.pending = pending
         if not any(advantages):
             return self._skip(trajectories, "zero_advantage")
@@ -177,12 +167,23 @@ class Trainer:
             "step_s": time.monotonic() - started,
             "time": time.time(),
             **step_metrics,
+            **kl_metrics,
             **batch.sampling.counts(),
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
         self.metrics.write(record)
+
+    def _reward_kl(
+        self, batch: Batch, trajectories: list[Trajectory]
+    ) -> tuple[list[list[float]] | None, dict[str, float]]:
+        """With `--kl-in reward`: the KL penalty of each trajectory's turns, and `kl_ref` to log."""
+        loss = self.config.loss
+        if loss.kl_coef == 0 or loss.kl_in != "reward":
+            return None, {}
+        penalties, mean = reward_kl(self.policy, batch, trajectories, loss, self.config.micro_batch_size)
+        return penalties, {"kl_ref": mean}
 
     def _mini_batches(self, batch: Batch) -> list[list[Batch]]:
         """`mini_batches` parts of the step's rows (balanced by tokens), each split into
@@ -239,4 +240,6 @@ def _make_policy(config: TrainerConfig):
         )
     from trainer.policy import Policy
 
-    return Policy(config.model, lr=config.lr, max_grad_norm=config.max_grad_norm)
+    return Policy(
+        config.model, lr=config.lr, max_grad_norm=config.max_grad_norm, reference=config.loss.kl_coef > 0
+    )

@@ -4,7 +4,7 @@ Owns the per-token arithmetic of one micro-batch: which tokens count, how much e
 and the normalisation over the whole optimizer step. It does not run the model (the trainer's
 forward pass gives `logprobs`), compute advantages (`advantage.py`) or split micro-batches.
 
-Three policies meet here, per sampled token t:
+Three policies meet here, per sampled token t (four with a KL penalty):
 
     pi      the current policy, `logprobs`: the only input with a gradient;
     pi_old  the proximal policy of the trust region, `old_logprobs` (default: mu): the weights
@@ -13,16 +13,20 @@ Three policies meet here, per sampled token t:
             `--mini-batches`);
     mu      the policy vLLM sampled with, `rollout_logprobs`. It differs from pi_old even at
             the same weights (other kernels and precision), and more so when it is a few
-            weight versions behind, as asynchronous training makes it.
+            weight versions behind, as asynchronous training makes it;
+    ref     the frozen reference policy (the initial weights), `ref_logprobs`, loaded only
+            with `--kl-coef` above 0.
 
 The loss ("decoupled PPO", Hilton et al. 2022, as in AReaL) is
 
     loss = 1/D * sum_i sum_{t kept in i} c_i * l_t
     l_t  = -w_t * min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
-           - entropy_coef * H_t
+           - entropy_coef * H_t + kl_coef * k_t
 
     H_t = entropy of pi at t (of the distribution the token was drawn from), with gradient:
           a bonus that keeps the policy from collapsing early; off (0) by default
+    k_t = KL estimate of pi against the frozen reference at t (`kl_estimate`), with gradient,
+          when `kl_in` is loss; off (0) by default
 
     r_t = exp(pi_t - pi_old_t)          PPO ratio; the gradient flows through it. With
                                         `ratio_level` sequence (GSPO), every token of
@@ -117,6 +121,18 @@ def _sequence_mean(values: Tensor, kept: Tensor) -> Tensor:
     return (values.sum(dim=-1, keepdim=True) / tokens).expand_as(values)
 
 
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """[B,T] per-token estimate of KL(pi || ref) from tokens drawn from pi, x = log ref - log pi:
+    k1 = -x, k2 = x^2 / 2, k3 = e^x - 1 - x (Schulman 2020). The gradient flows through
+    `logprobs`; `ref_logprobs` is frozen."""
+    x = ref_logprobs.detach() - logprobs
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x * x
+    return x.exp() - 1.0 - x
+
+
 # 3. The loss --------------------------------------------------------------------------------
 
 
@@ -132,6 +148,7 @@ def policy_loss(
     old_logprobs: Tensor | None = None,
     denominator: int | None = None,
     entropy: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
 
@@ -148,13 +165,15 @@ def policy_loss(
     entropy: [B,T] the entropy of pi at each token's position (the distribution it was drawn
         from); logged, and `entropy_coef` times it subtracted from each kept token's term
         (with its gradient) when that is above 0.
+    ref_logprobs: [B,T] log ref, the frozen reference policy's; the KL estimate against it is
+        logged, and `kl_coef` times it added to each kept token's term when `kl_in` is loss.
 
     Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
     `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
     `is_ratio_mean` / `is_ratio_max` of exp(pi_old - mu) at the configured level;
     `is_truncated_frac` / `is_masked_frac`, the share whose weight was capped / zeroed;
     `approx_kl`, the k3 estimate of KL(mu || pi): mean of rho - 1 - log rho, rho = pi / mu;
-    `entropy`, the mean entropy (when given).
+    `entropy`, the mean entropy, and `kl_ref`, the mean `kl_estimate` (each when given).
     """
     _check_shapes(logprobs, rollout_logprobs, old_logprobs, advantages, loss_mask, weight_versions)
     kept = _kept(loss_mask, weight_versions, current_version, config)
@@ -184,6 +203,10 @@ def policy_loss(
     per_token = -weight * surrogate
     if entropy is not None and config.entropy_coef > 0:
         per_token = per_token - config.entropy_coef * entropy
+    if ref_logprobs is not None:
+        kl_ref = kl_estimate(logprobs, torch.where(kept, ref_logprobs, logprobs), config.kl_estimator)
+        if config.kl_in == "loss":
+            per_token = per_token + config.kl_coef * kl_ref
     per_token = torch.where(kept, per_token, zeros)
     loss = (per_token * _token_shares(kept, config, per_token.dtype)).sum() / max(denominator, 1)
 
@@ -194,6 +217,8 @@ def policy_loss(
         metrics["approx_kl"] = share * float((rho_log.exp() - 1.0 - rho_log).sum())
         if entropy is not None:
             metrics["entropy"] = share * float(entropy[kept].sum())
+        if ref_logprobs is not None:
+            metrics["kl_ref"] = share * float(kl_ref[kept].sum())
     return loss, metrics
 
 

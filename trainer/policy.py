@@ -151,6 +151,8 @@ class Policy:
     device: where the model lives; batches are moved there.
     fsdp: shard every decoder layer and the root with FSDP2; needs an initialised process
         group (one per rank, `workers.TrainWorker`).
+    reference: also hold a frozen copy of the initial weights, the reference of a KL penalty
+        (`LossConfig.kl_coef`); it stays the initial weights when a checkpoint is loaded.
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class Policy:
         betas: tuple[float, float] = (0.9, 0.999),
         device: str | torch.device = "cpu",
         fsdp: bool = False,
+        reference: bool = False,
     ):
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -177,6 +180,10 @@ class Policy:
         self.model = model.eval()
         if fsdp:
             _shard(self.model)
+        self.reference: nn.Module | None = None
+        if reference:
+            frozen = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self.reference = frozen.to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
@@ -220,6 +227,14 @@ class Policy:
         """[B,T] `token_logprobs` of a micro-batch under the current weights, on `device`."""
         mb = micro_batch.to(self.device)
         return token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
+
+    def reference_logprobs(self, micro_batch: Batch) -> Tensor:
+        """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`."""
+        if self.reference is None:
+            raise RuntimeError("this Policy holds no reference model (Policy(reference=True))")
+        mb = micro_batch.to(self.device)
+        with torch.no_grad():
+            return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, mb.sampling)
 
     def train_step(
         self,
@@ -270,6 +285,7 @@ class Policy:
                 old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[i],
                 denominator=denominator,
                 entropy=entropy,
+                ref_logprobs=self._reference_for_loss(micro_batch, loss),
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})
@@ -281,6 +297,12 @@ class Policy:
         if stepped:
             self.optimizer.step()
         return {**merge_metrics(parts), "grad_norm": float(grad_norm), "optimizer_steps": float(stepped)}
+
+    def _reference_for_loss(self, micro_batch: Batch, loss: LossConfig) -> Tensor | None:
+        """The reference's logprobs when the KL penalty is in the loss, else None."""
+        if loss.kl_coef == 0 or loss.kl_in != "loss":
+            return None
+        return self.reference_logprobs(micro_batch)
 
     def save_weights(self, out_dir: str | Path) -> None:
         """Write a complete Hugging Face folder that vLLM can `reload_weights` from (or start

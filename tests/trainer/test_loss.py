@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from trainer.loss import LossConfig, count_loss_tokens, loss_denominator, policy_loss
+from trainer.loss import LossConfig, count_loss_tokens, kl_estimate, loss_denominator, policy_loss
 
 BASE = -1.0
 # Symmetric clipping and no staleness bound, for the tests that are about something else.
@@ -250,6 +250,43 @@ def test_entropy_is_logged_and_its_bonus_subtracted_per_kept_token() -> None:
     assert torch.allclose(entropy.grad, torch.tensor(expected, dtype=torch.float64))
 
 
+# KL to the reference -------------------------------------------------------------------------
+
+LN2 = math.log(2)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    # x = log ref - log pi = +log 2 and -log 2
+    [("k1", [-LN2, LN2]), ("k2", [LN2**2 / 2, LN2**2 / 2]), ("k3", [2 - 1 - LN2, 0.5 - 1 + LN2])],
+)
+def test_kl_estimators(estimator: str, expected: list[float]) -> None:
+    ref = logprobs_at([[2.0, 0.5]])
+    assert kl_estimate(base(1, 2), ref, estimator)[0].tolist() == pytest.approx(expected)
+
+
+def test_kl_in_the_loss_adds_beta_k_per_kept_token_and_is_logged_either_way() -> None:
+    mask = torch.tensor([[0, 1, 1]])
+    ref = logprobs_at([[99.0, 2.0, 0.5]])  # the prompt token's 99 must not count
+    logprobs = base(1, 3).requires_grad_()
+    config = LossConfig(kl_coef=0.1, kl_estimator="k3", max_staleness=None)
+    loss, metrics = policy_loss(
+        logprobs, base(1, 3), adv(0.0), mask, versions(mask), 0, config, ref_logprobs=ref
+    )
+    k3 = [2 - 1 - LN2, 0.5 - 1 + LN2]  # 0.3069 and 0.1931: mean 0.25
+    assert loss.item() == pytest.approx(0.1 * sum(k3) / 2)
+    assert metrics["kl_ref"] == pytest.approx(sum(k3) / 2)
+    loss.backward()
+    # d k3 / d log pi = 1 - ref / pi: -1 and 0.5, times beta / N
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, -0.1 / 2, 0.05 / 2]], dtype=torch.float64))
+
+    in_reward = dataclasses.replace(config, kl_in="reward")
+    loss, metrics = policy_loss(
+        base(1, 3), base(1, 3), adv(0.0), mask, versions(mask), 0, in_reward, ref_logprobs=ref
+    )
+    assert loss.item() == 0.0 and metrics["kl_ref"] == pytest.approx(0.25)
+
+
 # Staleness --------------------------------------------------------------------------------
 
 
@@ -420,6 +457,9 @@ def test_mismatched_shapes_are_refused() -> None:
         {"loss_agg": "sum"},
         {"ratio_level": "batch"},
         {"entropy_coef": -0.01},
+        {"kl_coef": -0.1},
+        {"kl_estimator": "k4"},
+        {"kl_in": "advantage"},
     ],
 )
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:
