@@ -80,15 +80,17 @@ def token_logprobs_and_entropy(
     input_ids: Tensor,
     attention_mask: Tensor,
     sampling: TokenSampling,
+    loss_mask: Tensor,
     *,
     entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """`token_logprobs`, and [B,T] the entropy of the distribution each token was drawn from,
-    aligned the same way: one forward, one log_softmax. With a gradient only when
-    `entropy_grad` (an entropy bonus); logging it costs an exp and a sum over [B,T,V]."""
+    aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere): one forward, one
+    log_softmax. With a gradient only when `entropy_grad` (an entropy bonus); logging it costs
+    an exp and a dot over the vocabulary per trained token."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     picked, entropy = processed_logprobs_and_entropy(
-        logits, input_ids[:, 1:], sampling.shifted(), entropy_grad=entropy_grad
+        logits, input_ids[:, 1:], sampling.shifted(), loss_mask[:, 1:].bool(), entropy_grad=entropy_grad
     )
     return _aligned(picked, attention_mask), _aligned(entropy, attention_mask)
 
@@ -272,7 +274,12 @@ class Policy:
         for i, micro_batch in enumerate(micro_batches):
             mb = micro_batch.to(self.device)
             logprobs, entropy = token_logprobs_and_entropy(
-                self.model, mb.input_ids, mb.attention_mask, mb.sampling, entropy_grad=loss.entropy_coef > 0
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.sampling,
+                mb.loss_mask,
+                entropy_grad=loss.entropy_coef > 0,
             )
             value, metrics = policy_loss(
                 logprobs,

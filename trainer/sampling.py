@@ -168,38 +168,43 @@ def processed_logprobs(logits: Tensor, targets: Tensor, sampling: TokenSampling)
 
 
 def processed_logprobs_and_entropy(
-    logits: Tensor, targets: Tensor, sampling: TokenSampling, *, entropy_grad: bool
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, positions: Tensor, *, entropy_grad: bool
 ) -> tuple[Tensor, Tensor]:
-    """`processed_logprobs` and [B,T] the entropy of each position's processed distribution
-    (the one its token was drawn from), from the same log_softmax. `entropy_grad`: whether the
+    """`processed_logprobs` and [B,T] the entropy of the processed distribution (the one the
+    token was drawn from) at `positions` ([B,T] bool, the sampled tokens), 0 elsewhere, from
+    the same log_softmax. Only those positions pay for it (an exp and a dot over the
+    vocabulary): in agent conversations most tokens are prompt. `entropy_grad`: whether the
     entropy carries a gradient (an entropy bonus in the loss) or is only logged."""
-    logprobs, entropy = _processed(logits, targets, sampling, entropy_grad)
-    assert entropy is not None
-    return logprobs, entropy
+    return _processed(logits, targets, sampling, (positions, entropy_grad))
 
 
-def entropy_of(logp: Tensor, grad: bool) -> Tensor:
-    """[...] -sum_v p_v log p_v over the last dimension of log probabilities `logp` [..., V];
-    tokens outside the support (-inf) add 0, with a zero gradient."""
-    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        p = logp.exp()
-        return -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
+def _entropy(logp: Tensor, finite_logp: Tensor) -> Tensor:
+    """[M] -sum_v p_v log p_v of [M,V] log probabilities; `finite_logp` is `logp` with 0 where
+    it is -inf (tokens truncation dropped: p = 0 adds 0, with a zero gradient)."""
+    return -(logp.exp().unsqueeze(-2) @ finite_logp.unsqueeze(-1)).flatten(-3)
 
 
 def _processed(
-    logits: Tensor, targets: Tensor, sampling: TokenSampling, entropy_grad: bool | None
-) -> tuple[Tensor, Tensor | None]:
-    """(log pi(targets), entropy or None when `entropy_grad` is None), both [B,T]."""
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, entropy: tuple[Tensor, bool] | None
+) -> tuple[Tensor, Tensor]:
+    """(log pi(targets), the entropy at the given positions, with a gradient or not; zeros
+    when `entropy` is None), both [B,T]."""
     temperature = sampling.temperature
     scale = torch.where(temperature < GREEDY_BELOW, torch.ones_like(temperature), temperature)
     if bool((scale != 1.0).any()):
         logits = logits / scale.unsqueeze(-1)
     logp = logits.log_softmax(dim=-1, dtype=torch.float32)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None if entropy_grad is None else entropy_of(logp, entropy_grad)
+    entropies = torch.zeros_like(picked)
     truncated = (sampling.top_k > 0) | (sampling.top_p < 1.0) | (sampling.min_p > 0.0)
+    grad = entropy is not None and entropy[1] and torch.is_grad_enabled()
+    with torch.set_grad_enabled(grad):
+        if entropy is not None:
+            plain = (entropy[0] & ~truncated).nonzero(as_tuple=True)
+            rows = logp[plain]  # log_softmax of finite logits is finite
+            entropies = entropies.index_put(plain, _entropy(rows, rows))
     if not bool(truncated.any()):
-        return picked, entropy
+        return picked, entropies
     where = truncated.nonzero(as_tuple=True)
     rows = logits[where]
     with torch.no_grad():
@@ -207,9 +212,11 @@ def _processed(
     own_logp = rows.masked_fill(~kept, -math.inf).log_softmax(dim=-1, dtype=torch.float32)
     own = own_logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
     own = torch.where(torch.isinf(own), torch.full_like(own, OUTSIDE_SUPPORT), own)
-    if entropy is not None:
-        entropy = entropy.index_put(where, entropy_of(own_logp, bool(entropy_grad)))
-    return picked.index_put(where, own), entropy
+    with torch.set_grad_enabled(grad):
+        if entropy is not None:
+            values = _entropy(own_logp, own_logp.masked_fill(~kept, 0.0))
+            entropies = entropies.index_put(where, torch.where(entropy[0][where], values, 0.0))
+    return picked.index_put(where, own), entropies
 
 
 def kept_tokens(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

@@ -209,7 +209,10 @@ def test_entropy_is_that_of_the_processed_distribution_each_token_was_drawn_from
         constrained=torch.zeros(1, 2, dtype=torch.bool),
     )
     targets = torch.tensor([[0, 1]])
-    logprobs, entropy = processed_logprobs_and_entropy(logits, targets, sampling, entropy_grad=True)
+    everywhere = torch.ones(1, 2, dtype=torch.bool)
+    logprobs, entropy = processed_logprobs_and_entropy(
+        logits, targets, sampling, everywhere, entropy_grad=True
+    )
     whole = -sum(p * math.log(p) for p in PROBS)  # 1.1437
     truncated = -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))  # 0.6616
     assert entropy.tolist() == [[pytest.approx(whole, abs=1e-6), pytest.approx(truncated, abs=1e-6)]]
@@ -217,5 +220,9 @@ def test_entropy_is_that_of_the_processed_distribution_each_token_was_drawn_from
     entropy.sum().backward()
     assert torch.isfinite(logits.grad).all()
     assert logits.grad[0, 1, 2:].tolist() == [0.0, 0.0]  # dropped tokens get no gradient
-    _, logged = processed_logprobs_and_entropy(logits, targets, sampling, entropy_grad=False)
-    assert not logged.requires_grad and torch.equal(logged, entropy.detach())
+    _, logged = processed_logprobs_and_entropy(logits, targets, sampling, everywhere, entropy_grad=False)
+    assert not logged.requires_grad and torch.allclose(logged, entropy.detach())
+    for first, second in ((True, False), (False, True)):  # only at the positions asked for
+        positions = torch.tensor([[first, second]])
+        _, some = processed_logprobs_and_entropy(logits, targets, sampling, positions, entropy_grad=False)
+        assert torch.equal(some, torch.where(positions, logged, 0.0))
