@@ -121,6 +121,11 @@ class TrainerConfig:
     and the clip idle; 2 or more make the clip act (PPO, Schulman et al. 2017, used 3-10)."""
     mini_batches: int = 1
     """Optimizer steps per epoch: the step's rows are split into this many mini-batches."""
+    turn_discount: float | None = None
+    """Per-turn credit: each turn's advantage from its discounted reward-to-go over the
+    per-turn rewards (`Turn.reward`) and the final reward, compared per turn position within
+    the group (`trainer/advantage.py`). None (the default): one advantage per episode, from
+    its final reward, on every sampled token."""
     loss: LossConfig = field(default_factory=LossConfig)
     refresh_every: int = 1
     """Push new weights to vLLM after every this many steps."""
@@ -157,6 +162,8 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.turn_discount is not None and not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
         if self.loss.kl_coef > 0 and self.num_workers > 1:
             raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
@@ -185,6 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--mini-batches", type=int, default=train("mini_batches"), help="optimizer steps per epoch"
+    )
+    group.add_argument(
+        "--turn-discount",
+        type=float,
+        default=train("turn_discount"),
+        help="per-turn credit: each turn's advantage from its discounted reward-to-go over per-turn "
+        "rewards and the final reward, per turn position in the group; default: one per episode",
     )
     group.add_argument("--refresh-every", type=int, default=train("refresh_every"))
     group.add_argument(
@@ -260,6 +274,7 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         groups_per_step=args.groups_per_step,
         max_steps=args.max_steps,
         estimator=Estimator(args.estimator),
+        turn_discount=args.turn_discount,
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         ppo_epochs=args.ppo_epochs,

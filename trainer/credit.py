@@ -1,9 +1,11 @@
 """What each trajectory's sampled tokens are credited with: the advantages of a step.
 
-Owns the step from rewards to one advantage per trajectory: a session's reward (less a KL
-penalty when `--kl-in reward`) is compared within its group by the estimator
-(`advantage.py`), and every segment of the session shares the result. It does not decide which
-groups train (the loop) or weigh tokens in the loss (`loss.py`).
+Owns the step from rewards to advantages: by default a session's reward (less a KL penalty
+when `--kl-in reward`) is compared within its group by the estimator (`advantage.py`), and
+every sampled token of every segment of the session shares the result. With
+`--turn-discount`, each turn of a session gets its own advantage from per-turn returns
+(`advantage.py` has the formula), shared by that turn's sampled tokens. It does not decide
+which groups train (the loop) or weigh tokens in the loss (`loss.py`).
 
 KL in the reward (`--kl-coef beta --kl-in reward`): a trajectory's penalty is beta times the
 sum of k_t (`loss.kl_estimate`) over its sampled tokens, with pi there the sampler's mu (the
@@ -18,7 +20,7 @@ import torch
 from torch import Tensor
 
 from molt_proxy.types import Trajectory
-from trainer.advantage import Estimator, compute_advantages
+from trainer.advantage import Estimator, compute_advantages, turn_advantages, turn_returns
 from trainer.batch import Batch
 from trainer.buffer import Group
 from trainer.config import LossConfig
@@ -53,6 +55,62 @@ def group_advantages(
         by_session = dict(zip(sessions, values, strict=True))
         advantages += [by_session[t.session_id] for t in group.trajectories]
     return advantages
+
+
+def step_advantages(
+    groups: list[Group],
+    estimator: Estimator,
+    baseline: float | None,
+    turn_discount: float | None,
+    length: int,
+    *,
+    penalties: list[list[float]] | None = None,
+) -> Tensor:
+    """The step's advantages as the loss takes them: [B] one per trajectory, or with
+    `turn_discount` [B,T] (T = `length`) one per turn on its sampled tokens."""
+    if turn_discount is None:
+        return torch.tensor(group_advantages(groups, estimator, baseline, penalties=penalties))
+    trajectories = [t for g in groups for t in g.trajectories]
+    per_turn = group_turn_advantages(groups, estimator, baseline, turn_discount, penalties=penalties)
+    advantages = torch.zeros(len(trajectories), length)
+    for row, (t, values) in enumerate(zip(trajectories, per_turn, strict=True)):
+        for turn, value in zip(t.turns, values, strict=True):
+            advantages[row, turn.completion_start : turn.completion_end] = value
+    return advantages
+
+
+def group_turn_advantages(
+    groups: list[Group],
+    estimator: Estimator,
+    baseline: float | None,
+    discount: float,
+    *,
+    penalties: list[list[float]] | None = None,
+) -> list[list[float]]:
+    """[trajectories][turns] A_ik (`advantage.py`): a session's turns run over its segments in
+    order; per-turn rewards less the turn's penalty, the final reward on the last turn."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    if penalties is None:
+        penalties = [[0.0] * len(t.turns) for t in trajectories]
+    penalty = {t.seq: p for t, p in zip(trajectories, penalties, strict=True)}
+    out: list[list[float]] = []
+    for group in groups:
+        rewards: dict[str, list[float]] = {}
+        for t in group.trajectories:
+            turns = rewards.setdefault(t.session_id, [])
+            turns += [(turn.reward or 0.0) - p for turn, p in zip(t.turns, penalty[t.seq], strict=True)]
+        finals = {t.session_id: t.reward for t in group.trajectories}
+        sessions = list(rewards)
+        returns = [turn_returns(rewards[s], finals[s], discount) for s in sessions]
+        advantages = dict(
+            zip(sessions, turn_advantages(returns, estimator, baseline=baseline or 0.0), strict=True)
+        )
+        taken = dict.fromkeys(sessions, 0)
+        for t in group.trajectories:
+            start = taken[t.session_id]
+            out.append(advantages[t.session_id][start : start + len(t.turns)])
+            taken[t.session_id] = start + len(t.turns)
+    return out
 
 
 def turn_sums(values: Tensor, loss_mask: Tensor, trajectories: list[Trajectory]) -> list[list[float]]:

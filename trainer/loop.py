@@ -1,4 +1,5 @@
-"""The async training loop: stream → whole sessions, complete groups → advantages → step →
+"""The async training loop: stream → whole sessions, complete groups → advantages
+(`credit.py`) → step →
 checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running against the proxy all the
 while.
 
@@ -40,7 +41,7 @@ from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
-from trainer.credit import group_advantages, reward_kl
+from trainer.credit import reward_kl, step_advantages
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
 from trainer.source import TrajectoryStream
@@ -120,10 +121,16 @@ class Trainer:
             train_constrained=config.constrained_turns == "train",
         )
         penalties, kl_metrics = self._reward_kl(batch, trajectories)
-        advantages = group_advantages(groups, config.estimator, state.baseline, penalties=penalties)
-        batch.advantages = torch.tensor(advantages, dtype=torch.float32)
+        batch.advantages = step_advantages(
+            groups,
+            config.estimator,
+            state.baseline,
+            config.turn_discount,
+            batch.input_ids.shape[1],
+            penalties=penalties,
+        )
         state.pending = pending
-        if not any(advantages):
+        if not bool(batch.advantages.any()):
             return self._skip(trajectories, "zero_advantage")
         if not batch.loss_mask.any():
             return self._skip(trajectories, "untrainable")
