@@ -1,7 +1,6 @@
 """The async training loop: stream → whole sessions, complete groups → advantages
-(`credit.py`) → step →
-checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running against the proxy all the
-while.
+(`credit.py`) → step → checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running
+against the proxy all the while.
 
 Steps and versions: a trainer step takes `groups_per_step` groups and runs PPO's schedule on
 them (`Policy.ppo_step`: pi_old once, then `ppo_epochs` x `mini_batches` optimizer steps).
