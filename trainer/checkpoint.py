@@ -42,7 +42,10 @@ class TrainerState:
     """Steps skipped (no optimizer step, no version) by reason (`loop.py`): zero_advantage,
     untrainable, stale, masked."""
     dropped_stale_groups: int = 0
-    """Groups whose every sampled token was past `max_staleness` when they became ready."""
+    """Groups whose every sampled token was past `max_staleness` when they became ready or
+    while they waited for a step."""
+    dropped_flat_groups: int = 0
+    """Groups whose episodes all had the same outcome, dropped by `drop_flat_groups`."""
     baseline: float | None = None
     """Running baseline of REINFORCE with baseline."""
 
@@ -51,6 +54,7 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
+        """Older checkpoints lack newer counters: they start at their defaults."""
         return cls(**{**data, "pending": [Trajectory.from_json(t) for t in data["pending"]]})
 
 

@@ -126,6 +126,11 @@ class TrainerConfig:
     per-turn rewards (`Turn.reward`) and the final reward, compared per turn position within
     the group (`trainer/advantage.py`). None (the default): one advantage per episode, from
     its final reward, on every sampled token."""
+    drop_flat_groups: bool = False
+    """DAPO's dynamic sampling: a group whose episodes all had the same outcome (reward, and
+    per-turn rewards with `turn_discount`) gives a group-relative estimator advantage 0
+    everywhere; drop it before the step (counted: `dropped_flat_groups`) and wait for groups
+    with something to learn, so every step has `groups_per_step` informative groups."""
     loss: LossConfig = field(default_factory=LossConfig)
     refresh_every: int = 1
     """Push new weights to vLLM after every this many steps."""
@@ -164,6 +169,10 @@ class TrainerConfig:
             raise ValueError("lr must be positive")
         if self.turn_discount is not None and not 0.0 <= self.turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
+        if self.drop_flat_groups and self.estimator in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE):
+            raise ValueError(
+                f"drop_flat_groups needs a group-relative estimator: {self.estimator} learns from any group"
+            )
         if self.loss.kl_coef > 0 and self.num_workers > 1:
             raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
@@ -199,6 +208,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=train("turn_discount"),
         help="per-turn credit: each turn's advantage from its discounted reward-to-go over per-turn "
         "rewards and the final reward, per turn position in the group; default: one per episode",
+    )
+    group.add_argument(
+        "--drop-flat-groups",
+        action="store_true",
+        help="DAPO dynamic sampling: drop groups whose episodes all had the same outcome (advantage 0) "
+        "before the step, counted; a step waits for groups_per_step informative groups",
     )
     group.add_argument("--refresh-every", type=int, default=train("refresh_every"))
     group.add_argument(
@@ -275,6 +290,7 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         max_steps=args.max_steps,
         estimator=Estimator(args.estimator),
         turn_discount=args.turn_discount,
+        drop_flat_groups=args.drop_flat_groups,
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         ppo_epochs=args.ppo_epochs,

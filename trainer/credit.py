@@ -113,6 +113,18 @@ def group_turn_advantages(
     return out
 
 
+def is_flat(group: Group, *, by_turn: bool) -> bool:
+    """Whether every session of the group had the same outcome: the same final reward, and
+    with `by_turn` (per-turn credit) the same per-turn rewards, turn by turn. A group-relative
+    estimator then gives every token advantage 0 (a group of one session is flat)."""
+    outcomes: dict[str, list[float | None]] = {}
+    for t in group.trajectories:
+        outcome = outcomes.setdefault(t.session_id, [t.reward])
+        if by_turn:
+            outcome += [turn.reward for turn in t.turns]
+    return len({tuple(o) for o in outcomes.values()}) <= 1
+
+
 def turn_sums(values: Tensor, loss_mask: Tensor, trajectories: list[Trajectory]) -> list[list[float]]:
     """[B][turns] the sum of `values` [B,T] over each turn's sampled tokens (loss_mask 1)."""
     masked = torch.where(loss_mask.bool(), values, torch.zeros_like(values))

@@ -17,10 +17,14 @@ not trained on later) but no optimizer step runs, the step and version stay, and
 refreshed. A step is skipped when every advantage is 0 ("zero_advantage"), every sampled
 token is left out by how it was sampled ("untrainable", `sampling.py`), every one left is past
 `max_staleness` ("stale"), or every update's gradient was exactly 0, i.e. every kept token was
-masked by its importance weight ("masked"). A group whose every sampled token
-is already past `max_staleness` when it becomes ready is dropped and counted instead of
-waiting for a step. `max_steps` counts steps taken and skipped alike: a solved task (every
-reward equal, so every advantage 0) skips every step, and the run must still end.
+masked by its importance weight ("masked"). Groups are dropped and counted before a step
+instead (`_admit`): a group whose every sampled token is past `max_staleness` when it becomes
+ready, or while it waits for a step; and with `drop_flat_groups` (DAPO's dynamic sampling) a
+group whose episodes all had the same outcome, which group-relative estimators give advantage
+0 everywhere: the step waits for `groups_per_step` groups with something to learn.
+`max_steps` counts steps taken and skipped alike, and every `groups_per_step` flat groups
+dropped as one more: a solved task (every reward equal, so every advantage 0) skips or drops
+everything, and the run must still end.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
-from trainer.credit import reward_kl, step_advantages
+from trainer.credit import is_flat, reward_kl, step_advantages
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
 from trainer.source import TrajectoryStream
@@ -87,27 +91,52 @@ class Trainer:
         stream = TrajectoryStream(config.proxy_url, state.cursor, admin_key=config.admin_key).start()
         ready: list[Group] = []
         try:
-            while state.step + sum(state.skipped_steps.values()) < config.max_steps:
+            while self._steps_done() < config.max_steps:
                 trajectory = stream.get(timeout_s=0.2)
                 if trajectory is not None:
                     buffer.add(trajectory)
                     state.cursor = trajectory.seq
-                for group in buffer.pop_ready():
-                    if has_fresh_tokens(group, state.version, config.loss.max_staleness):
-                        ready.append(group)
-                    else:
-                        state.dropped_stale_groups += 1
-                        state.consumed += [t.seq for t in group.trajectories]
-                        log.info("dropped group %s: every sampled token is stale", group.group_id)
+                ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
                     self._step(groups, pending=[t for g in ready for t in g.trajectories] + buffer.pending())
+                    ready = self._admit(ready)  # the version moved on: a waiting group may be stale now
         finally:
             stream.stop()
         records = read(self.metrics.path)
         if records:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
         return {"step": state.step, "version": state.version, "cursor": state.cursor}
+
+    def _admit(self, groups: list[Group]) -> list[Group]:
+        """The groups a step can learn from; the others are dropped, their trajectories
+        consumed, and counted: every sampled token stale (`dropped_stale_groups`), or, with
+        `drop_flat_groups`, every episode's outcome the same (`dropped_flat_groups`)."""
+        state, kept = self.state, []
+        for group in groups:
+            if not has_fresh_tokens(group, state.version, self.config.loss.max_staleness):
+                state.dropped_stale_groups += 1
+                log.info("dropped group %s: every sampled token is stale", group.group_id)
+            elif self.config.drop_flat_groups and is_flat(
+                group, by_turn=self.config.turn_discount is not None
+            ):
+                state.dropped_flat_groups += 1
+                log.info("dropped group %s: every episode's outcome is the same", group.group_id)
+            else:
+                kept.append(group)
+                continue
+            state.consumed += [t.seq for t in group.trajectories]
+        return kept
+
+    def _steps_done(self) -> int:
+        """Steps taken and skipped, and a step per `groups_per_step` flat groups dropped."""
+        state = self.state
+        flat = state.dropped_flat_groups // self.config.groups_per_step
+        return state.step + sum(state.skipped_steps.values()) + flat
+
+    @property
+    def _by_turn(self) -> bool:
+        return self.config.turn_discount is not None
 
     def _step(self, groups: list[Group], pending: list[Trajectory]) -> None:
         config, state = self.config, self.state
@@ -177,6 +206,7 @@ class Trainer:
             **batch.sampling.counts(),
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
+            "dropped_flat_groups": state.dropped_flat_groups,
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
         self.metrics.write(record)

@@ -52,3 +52,15 @@ def test_a_bad_loss_flag_is_refused() -> None:
 
 def test_trainer_config_default_loss_is_loss_config_default() -> None:
     assert TrainerConfig(proxy_url="u", model="m", out_dir="o").loss == LossConfig()
+
+
+def test_credit_flags_reach_the_config() -> None:
+    args = parser().parse_args(["serve", "--model", "m", "--turn-discount", "0.9", "--drop-flat-groups"])
+    config = config_from_args(args, "u", "m")
+    assert (config.turn_discount, config.drop_flat_groups) == (0.9, True)
+    default = config_from_args(parser().parse_args(["serve", "--model", "m"]), "u", "m")
+    assert (default.turn_discount, default.drop_flat_groups) == (None, False)
+    with pytest.raises(ValueError, match="turn_discount must be in"):
+        TrainerConfig(proxy_url="u", model="m", out_dir="o", turn_discount=1.5)
+    with pytest.raises(ValueError, match="num_workers 1"):
+        TrainerConfig(proxy_url="u", model="m", out_dir="o", num_workers=2, loss=LossConfig(kl_coef=0.1))

@@ -11,7 +11,7 @@ from molt_proxy.types import NOT_SAMPLED, Sampling, Trajectory, Turn
 from tests.trainer.builders import trajectory
 from trainer.advantage import Estimator
 from trainer.buffer import Group
-from trainer.credit import step_advantages
+from trainer.credit import is_flat, step_advantages
 
 
 def turns(
@@ -69,3 +69,18 @@ def test_a_turn_penalty_lowers_that_turns_reward_and_without_a_discount_credit_i
     per_episode = step_advantages([group], Estimator.DR_GRPO, None, None, length=6)
     assert per_episode.tolist() == [0.5, -0.5] and per_episode.dim() == 1
     assert torch.equal(per_episode, step_advantages([group], Estimator.DR_GRPO, None, None, length=99))
+
+
+def test_a_group_is_flat_when_every_episode_had_the_same_outcome() -> None:
+    same = Group("g", [turns(1, "a", [None, None], 1.0), turns(2, "b", [None, None], 1.0)])
+    assert is_flat(same, by_turn=False) and is_flat(same, by_turn=True)
+    differs = Group("g", [turns(1, "a", [None], 1.0), turns(2, "b", [None], 0.0)])
+    assert not is_flat(differs, by_turn=False)
+    # the same final reward, different per-turn rewards: flat only for episode-level credit
+    by_turn = Group("g", [turns(1, "a", [0.5, None], 1.0), turns(2, "b", [None, None], 1.0)])
+    assert is_flat(by_turn, by_turn=False) and not is_flat(by_turn, by_turn=True)
+    alone = Group(
+        "g",
+        [turns(1, "a", [None], 1.0, segment=0, segments=2), turns(2, "a", [0.5], 1.0, segment=1, segments=2)],
+    )
+    assert is_flat(alone, by_turn=True)  # one session: nothing to compare with
