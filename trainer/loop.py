@@ -39,6 +39,7 @@ import httpx
 import torch
 
 from molt_proxy.types import Trajectory
+from molt_proxy.wire.control import EVAL_GROUP_PREFIX
 from trainer import checkpoint
 from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
@@ -94,8 +95,11 @@ class Trainer:
             while self._steps_done() < config.max_steps:
                 trajectory = stream.get(timeout_s=0.2)
                 if trajectory is not None:
-                    buffer.add(trajectory)
                     state.cursor = trajectory.seq
+                    if trajectory.group_id.startswith(EVAL_GROUP_PREFIX):
+                        self._evaluated(trajectory)
+                    else:
+                        buffer.add(trajectory)
                 ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
@@ -107,6 +111,23 @@ class Trainer:
         if records:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
         return {"step": state.step, "version": state.version, "cursor": state.cursor}
+
+    def _evaluated(self, trajectory: Trajectory) -> None:
+        """An evaluation episode (group `eval/...`): never trained on, consumed; its reward
+        (once per session) is kept under the weight version that sampled it, the latest of its
+        tokens', for the next metrics record."""
+        self.state.consumed.append(trajectory.seq)
+        sampled = [v for v, m in zip(trajectory.weight_versions, trajectory.loss_mask, strict=True) if m]
+        if trajectory.reward is not None and trajectory.segment == 0 and sampled:
+            self.state.evaluations.append((max(sampled), trajectory.reward))
+
+    def _eval_rewards(self) -> dict[str, float]:
+        """{version: mean reward} of the evaluation episodes since the last record; clears them."""
+        by_version: dict[int, list[float]] = {}
+        for version, reward in self.state.evaluations:
+            by_version.setdefault(int(version), []).append(reward)
+        self.state.evaluations = []
+        return {str(v): sum(rewards) / len(rewards) for v, rewards in sorted(by_version.items())}
 
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The groups a step can learn from; the others are dropped, their trajectories
@@ -177,6 +198,7 @@ class Trainer:
         state.version += 1
         state.optimizer_steps += int(step_metrics["optimizer_steps"])
         state.trained.append([t.seq for t in trajectories])
+        evaluations = self._eval_rewards()
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
         sampled = [
@@ -207,6 +229,7 @@ class Trainer:
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
             "dropped_flat_groups": state.dropped_flat_groups,
+            **({"eval_reward": evaluations} if evaluations else {}),
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
         self.metrics.write(record)

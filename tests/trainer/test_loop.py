@@ -116,14 +116,19 @@ def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_flat_and_stale_groups_are_dropped_before_a_step_and_counted(
+def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A and B are in the checkpoint's pending work, so both are ready at once; the step on A
     moves the version to 1, which makes the waiting B (version 0, max_staleness 0) stale. C is
-    flat (both episodes rewarded 1) and dropped; it counts a step's worth towards max_steps."""
+    flat (both episodes rewarded 1) and dropped; it counts a step's worth towards max_steps.
+    E is an evaluation group: never trained on, its mean reward logged under its version."""
     waiting = [*group(1, "A", (1.0, 0.0), version=0), *group(3, "B", (0.0, 1.0), version=0)]
-    records = [*group(5, "C", (1.0, 1.0), version=1), *group(7, "D", (0.0, 1.0), version=1)]
+    records = [
+        *group(5, "C", (1.0, 1.0), version=1),
+        *group(7, "eval/E", (0.25, 0.75), version=1),
+        *group(9, "D", (0.0, 1.0), version=1),
+    ]
     monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
     config = TrainerConfig(
@@ -148,15 +153,16 @@ def test_flat_and_stale_groups_are_dropped_before_a_step_and_counted(
 
     trainer.policy.ppo_step = spy
 
-    assert trainer.run() == {"step": 2, "version": 2, "cursor": 8}
+    assert trainer.run() == {"step": 2, "version": 2, "cursor": 10}
 
     state, _ = checkpoint.load(tmp_path / "checkpoint")
-    assert state.trained == [[1, 2], [7, 8]] and sorted(state.consumed) == [3, 4, 5, 6]
+    assert state.trained == [[1, 2], [9, 10]] and sorted(state.consumed) == [3, 4, 5, 6, 7, 8]
     assert (state.dropped_stale_groups, state.dropped_flat_groups, state.skipped_steps) == (1, 1, {})
     assert calls == [0, 1]  # the policy stepped on A and D only
     last = read(tmp_path / "metrics.jsonl")[-1]
     assert (last["dropped_stale_groups"], last["dropped_flat_groups"]) == (1, 1)
     assert last["entropy"] > 0.0 and "kl_ref" not in last  # no reference without --kl-coef
+    assert last["eval_reward"] == {"1": 0.5} and state.evaluations == []
 
 
 def test_drop_flat_groups_needs_a_group_relative_estimator() -> None:
