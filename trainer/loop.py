@@ -54,6 +54,16 @@ log = logging.getLogger(__name__)
 _BASELINE_DECAY = 0.9
 
 
+def replicas_behind(proxy_url: str, version: int, headers: dict[str, str]) -> list[str]:
+    """The vLLM replicas (URLs) not serving weight `version`, from the proxy's `/health`. The
+    proxy answers a refresh some replicas failed with 200 and the ones loaded; it takes a
+    failed one out of routing and gives it the current weights before it serves again (when
+    it passes a health check), so a trainer only has to notice and report it."""
+    health = httpx.get(f"{proxy_url.rstrip('/')}/health", headers=headers, timeout=30)
+    health.raise_for_status()
+    return [r["url"] for r in health.json()["replicas"] if r["weight_version"] != version]
+
+
 def has_fresh_tokens(group: Group, version: int, max_staleness: int | None) -> bool:
     """Whether any sampled token of the group is at most `max_staleness` versions old."""
     return any(
@@ -72,6 +82,8 @@ class Trainer:
         self.checkpoint_dir = config.out_dir / "checkpoint"
         self.metrics = MetricsLog(config.out_dir / "metrics.jsonl")
         self.state = checkpoint.TrainerState()
+        self.replicas_behind = 0
+        """vLLM replicas that missed the last refresh (`replicas_behind`), in every record."""
         restored = checkpoint.load(self.checkpoint_dir)
         if restored is not None:
             self.state, policy_state = restored
@@ -229,6 +241,7 @@ class Trainer:
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
             "dropped_flat_groups": state.dropped_flat_groups,
+            "replicas_behind": self.replicas_behind,
             **({"eval_reward": evaluations} if evaluations else {}),
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
@@ -278,6 +291,15 @@ class Trainer:
         )
         response.raise_for_status()
         _prune_weights(folder.parent, keep=folder)
+        behind = replicas_behind(self.config.proxy_url, self.state.version, headers)
+        if behind:
+            log.warning(
+                "weights v%d are not on %s: the proxy keeps them out of routing and reloads them "
+                "once they pass a health check",
+                self.state.version,
+                ", ".join(behind),
+            )
+        self.replicas_behind = len(behind)
         return time.monotonic() - started
 
 
