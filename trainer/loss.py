@@ -204,7 +204,10 @@ def policy_loss(
     if entropy is not None and config.entropy_coef > 0:
         per_token = per_token - config.entropy_coef * entropy
     if ref_logprobs is not None:
-        kl_ref = kl_estimate(logprobs, torch.where(kept, ref_logprobs, logprobs), config.kl_estimator)
+        # zeros off the kept tokens, as for the ratios: padding's -inf would make nan gradients
+        kl_ref = kl_estimate(
+            torch.where(kept, logprobs, zeros), torch.where(kept, ref_logprobs, zeros), config.kl_estimator
+        )
         if config.kl_in == "loss":
             per_token = per_token + config.kl_coef * kl_ref
     per_token = torch.where(kept, per_token, zeros)

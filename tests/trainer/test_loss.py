@@ -419,11 +419,16 @@ def test_loss_aggregation_normalises_as_documented(
 # Robustness and validation ----------------------------------------------------------------
 
 
-def test_padding_with_extreme_values_leaves_loss_and_gradient_finite() -> None:
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_padding_with_extreme_values_leaves_loss_and_gradient_finite(with_kl: bool) -> None:
     mask = torch.tensor([[1, 0], [1, 0]])
     logprobs = torch.tensor([[BASE, 1e4], [BASE, -math.inf]], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([[BASE, 0.0], [BASE, 0.0]], dtype=torch.float64)
-    loss, metrics = policy_loss(logprobs, rollout, adv(1.0, 1.0), mask, versions(mask), 0, PLAIN)
+    config = dataclasses.replace(PLAIN, kl_coef=0.1) if with_kl else PLAIN
+    ref = rollout if with_kl else None
+    loss, metrics = policy_loss(
+        logprobs, rollout, adv(1.0, 1.0), mask, versions(mask), 0, config, ref_logprobs=ref
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)
     assert torch.isfinite(logprobs.grad).all()
