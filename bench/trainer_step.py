@@ -4,7 +4,9 @@ step's time goes.
 Same model, same batch, same optimizer (AdamW), interleaved step by step: the trainer's step
 `Policy.ppo_step` (forward, float32 log-softmax and gather, the policy loss with importance
 weights and clipping, backward, grad clipping, step) with the default one epoch and with
-`--ppo-epochs 2` (pi_old by a no-grad forward, then two updates), against the floor, a plain
+`--ppo-epochs 2` (pi_old by a no-grad forward, then two updates) and with the reference model
+on (`--kl-coef 0.1`: a frozen copy of the weights, one more no-grad forward per micro-batch),
+against the floor, a plain
 `model(ids).logits` → masked cross-entropy → backward → clip → AdamW loop. Then the rest of
 the trainer's step, timed with the trainer's own functions: collating trajectories,
 checkpointing (model + optimizer + cursor) and writing the weights vLLM reloads.
@@ -80,16 +82,18 @@ def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
     model_dir = tiny_model(kind)
     policy = Policy(model_dir, lr=1e-5)
     policy_ppo2 = Policy(model_dir, lr=1e-5)
+    policy_kl = Policy(model_dir, lr=1e-5, reference=True)
     plain = PlainLoop(model_dir, lr=1e-5)
     vocab = policy.model.config.vocab_size
     records = trajectories(rows, length, vocab)
     advantages = [1.0 if i % 2 else -1.0 for i in range(rows)]
     batch = collate(records, advantages)
     tokens = int(batch.attention_mask.sum())
-    loss = LossConfig()
+    loss, loss_kl = LossConfig(), LossConfig(kl_coef=0.1)
     times: dict[str, list[float]] = {
         "policy": [],
         "policy_ppo2": [],
+        "policy_kl": [],
         "plain": [],
         "collate": [],
         "checkpoint": [],
@@ -100,6 +104,7 @@ def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
     steps_of = {
         "policy": lambda: policy.ppo_step([[batch]], 0, loss),
         "policy_ppo2": lambda: policy_ppo2.ppo_step([[batch]], 0, loss, epochs=2),
+        "policy_kl": lambda: policy_kl.ppo_step([[batch]], 0, loss_kl),
         "plain": lambda: plain.step(batch),
     }
     for fn in steps_of.values():  # warm-up: allocator, Adam state
@@ -131,7 +136,7 @@ def run(quick: bool = False) -> Section:
         "python -m bench trainer",
         "a plain PyTorch loop (forward → masked cross-entropy → backward → clip → AdamW) on the "
         "same model, batch and optimizer, alternating step by step with the trainer's step "
-        "(`Policy.ppo_step`, default and `--ppo-epochs 2`).",
+        "(`Policy.ppo_step`: default, `--ppo-epochs 2`, and the reference model on, `--kl-coef 0.1`).",
     )
     configs = (
         [("digits", 16, 256), ("qwen3", 4, 128)] if not quick else [("digits", 8, 128), ("qwen3", 2, 128)]
@@ -148,6 +153,7 @@ def run(quick: bool = False) -> Section:
                 f"{m['tokens'] / m['plain']:,.0f}",
                 ratio(m["plain"], m["policy"]),
                 ratio(m["policy_ppo2"], m["policy"]),
+                ratio(m["policy_kl"], m["policy"]),
             ]
         )
         step = m["collate"] + m["policy"] + m["checkpoint"] + m["weights"]
@@ -167,7 +173,9 @@ def run(quick: bool = False) -> Section:
         "of examples/learn_digits.py (`digits`) and with the real Qwen3 vocabulary (`qwen3`), where "
         "the [B,T,V] logits dominate. Batches: synthetic trajectories, half prompt, half sampled. "
         "The trainer's step with `--ppo-epochs 2` runs a no-grad forward for pi_old and two updates "
-        "(forward, backward, AdamW each) where the default runs one update."
+        "(forward, backward, AdamW each) where the default runs one update. With the reference model on, "
+        "each micro-batch adds a no-grad forward of the frozen initial weights and the KL term; the "
+        "default (`--kl-coef 0`) loads no reference at all."
     )
     section.body.append(
         table(
@@ -178,6 +186,7 @@ def run(quick: bool = False) -> Section:
                 "plain loop tokens/s",
                 "trainer / plain speed",
                 "`--ppo-epochs 2` / default step time",
+                "reference on (`--kl-coef 0.1`) / off step time",
             ],
             rows,
         )

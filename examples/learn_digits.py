@@ -4,7 +4,9 @@ weights in vLLM, while the agents keep running.
 The task is small enough for a tiny random model on 2 CPU cores to visibly learn: each
 episode asks for a number, and the reward is the share of digits in the reply. A random
 model writes almost no digits (its small byte-level vocabulary has ~300 tokens), so the
-reward starts near 0 and has all the way to 1 to climb.
+reward starts near 0 and has all the way to 1 to climb. Every few steps a few greedy episodes
+run as evaluation sessions (`"train": false`): never trained on, their reward logged per
+weight version.
 
     python examples/learn_digits.py      # writes runs/digits/ (reward_curve.png among it)
 """
@@ -59,24 +61,52 @@ class Agents:
                 episode = next(self.counter)
             group = episode // self.group_size
             try:
-                session = http.post("/v1/sessions", json={"group_id": f"g{group}"}).json()
-                client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
-                prompt = PROMPTS[group % len(PROMPTS)]
-                reply = client.chat.completions.create(
-                    model="tiny",
-                    messages=[{"role": "user", "content": prompt}],
-                    max_tokens=8,
-                    temperature=1.0,
-                )
-                reward = digit_share(reply.choices[0].message.content or "")
-                http.post(
-                    "/v1/rewards", json={"session_id": session["session_id"], "reward": reward}
-                ).raise_for_status()
+                run_episode(http, {"group_id": f"g{group}"}, PROMPTS[group % len(PROMPTS)], temperature=1.0)
                 with self.lock:
                     self.episodes += 1
             except Exception as exc:  # an agent-visible error: counted and reported, never hidden
                 if not self.stop.is_set() and not self.trained():
                     self.errors.append(repr(exc))
+
+
+class Evaluator(threading.Thread):
+    """Every `every` trainer steps (and before the first), `episodes` greedy episodes in
+    evaluation sessions (`"train": false`): recorded and rewarded, never trained on; the
+    trainer logs their reward per weight version (`eval_reward`)."""
+
+    def __init__(self, proxy_url: str, metrics: Path, every: int, episodes: int, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.proxy_url, self.metrics, self.stop = proxy_url, metrics, stop
+        self.every, self.episodes = every, episodes
+
+    def run(self) -> None:
+        http = httpx.Client(base_url=self.proxy_url, timeout=120)
+        evaluated = -1
+        while not self.stop.wait(1.0):
+            due = len(read(self.metrics)) // self.every
+            if due == evaluated:
+                continue
+            evaluated = due
+            for i in range(self.episodes):
+                try:
+                    body = {"group_id": f"p{i}", "train": False}
+                    run_episode(http, body, PROMPTS[i % len(PROMPTS)], temperature=0.0)
+                except Exception:  # the server winding down at the end of the run
+                    return
+
+
+def run_episode(http: httpx.Client, session_body: dict, prompt: str, temperature: float) -> None:
+    """One episode: a session, one reply, its reward (the share of digits)."""
+    session = http.post("/v1/sessions", json=session_body).json()
+    client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=8,
+        temperature=temperature,
+    )
+    reward = digit_share(reply.choices[0].message.content or "")
+    http.post("/v1/rewards", json={"session_id": session["session_id"], "reward": reward}).raise_for_status()
 
 
 def main() -> None:
@@ -88,6 +118,8 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=5, help="greedy evaluation every N steps")
+    parser.add_argument("--eval-episodes", type=int, default=4)
     args = parser.parse_args()
     out = Path(args.out)
     if out.exists():
@@ -109,11 +141,13 @@ def main() -> None:
     # batch, all rewards equal, is skipped and writes no metrics line).
     curve = out / "train" / "reward_curve.png"
     agents = Agents(server.url, args.agents, args.group_size, curve.exists)
+    evaluator = Evaluator(server.url, metrics, args.eval_every, args.eval_episodes, agents.stop)
     try:
         server.wait(timeout_s=600)
         print(f"watch the run: {server.url}/ui (trajectories, live) and {server.url}/metrics", flush=True)
         wait_for_trainer(server)
         agents.start()
+        evaluator.start()
         # Agents run until the trainer's last step is logged; then the server winds down.
         shown = 0
         while server.returncode is None and not curve.exists():
@@ -132,6 +166,11 @@ def main() -> None:
     print(f"\n{agents.episodes} episodes, {len(agents.errors)} agent-visible errors {agents.errors[:3]}")
     print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
     print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
+    evaluations = {v: r for record in records for v, r in record.get("eval_reward", {}).items()}
+    print(
+        "greedy evaluation reward by weight version: "
+        + ", ".join(f"v{v} {r:.3f}" for v, r in evaluations.items())
+    )
     print(f"reward curve: {out / 'train' / 'reward_curve.png'}")
     if server.returncode != 0 or not records:
         exited = f"molt-proxy serve --train exited with {server.returncode}"

@@ -7,6 +7,23 @@ skip unrewarded ones or spread advantages over tokens; the caller and the loss d
 A group of one gets advantage 0 from every group-relative estimator (GRPO, Dr.GRPO, RLOO):
 with nothing to compare against there is no signal. Use `reinforce` or `reinforce_baseline`
 when rollouts are not grouped.
+
+Per-turn credit (`--turn-discount gamma`): an episode i of K_i turns (its segments in order,
+each segment's turns in order) has per-turn rewards r_ik (`Turn.reward`, posted with the
+turn's completion id and `final: false`; 0 where none was posted) and the final reward R_i,
+which belongs to its last turn. Each turn's return is its discounted reward-to-go
+
+    G_ik = sum_{j=k..K_i} gamma^(j-k) * (r_ij + [j = K_i] * R_i)
+
+and its advantage is the estimator applied, per turn position k, to the returns G_.k of the
+group's episodes that have a k-th turn:
+
+    A_ik = estimator({G_jk : episodes j of the group with K_j >= k})_i
+
+so a turn is compared with the same turn of the other attempts at the task. Every sampled
+token of turn k gets A_ik. With gamma = 1 and no per-turn rewards every G_ik is R_i and the
+first turn's advantage is the episode-level one; a turn position reached by only one episode
+of the group gets 0 from the group-relative estimators, as a group of one does.
 """
 
 from __future__ import annotations
@@ -86,3 +103,31 @@ def update_baseline(baseline: float | None, rewards: Sequence[float], decay: flo
     if baseline is None:
         return mean
     return decay * baseline + (1.0 - decay) * mean
+
+
+def turn_returns(turn_rewards: Sequence[float | None], final_reward: float, discount: float) -> list[float]:
+    """G_k, the discounted reward-to-go of each turn (formula above); None rewards count 0."""
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount}")
+    rewards = [r or 0.0 for r in turn_rewards]
+    if rewards:
+        rewards[-1] += final_reward
+    returns, future = [], 0.0
+    for reward in reversed(rewards):
+        future = reward + discount * future
+        returns.append(future)
+    return returns[::-1]
+
+
+def turn_advantages(
+    returns: Sequence[Sequence[float]], estimator: Estimator | str, *, baseline: float = 0.0
+) -> list[list[float]]:
+    """A_ik for one group: `returns` [episodes][turns] (episodes may have different numbers of
+    turns); the estimator runs over each turn position's returns."""
+    advantages: list[list[float]] = [[] for _ in returns]
+    for k in range(max((len(r) for r in returns), default=0)):
+        present = [i for i, r in enumerate(returns) if len(r) > k]
+        values = compute_advantages([returns[i][k] for i in present], estimator, baseline=baseline)
+        for i, value in zip(present, values, strict=True):
+            advantages[i].append(value)
+    return advantages

@@ -33,7 +33,8 @@ class Batch:
     weight_versions: Tensor
     """[B,T] long: the weight version that sampled each token; NOT_SAMPLED (-1) elsewhere."""
     advantages: Tensor
-    """[B] float32: one advantage per trajectory, shared by its sampled tokens."""
+    """[B] float32: one advantage per trajectory, shared by its sampled tokens; or [B,T] one
+    per token (per-turn credit, `trainer/credit.py`)."""
     sampling: TokenSampling
     """[B,T] how each token was sampled (`trainer/sampling.py`): pi is recomputed under it."""
 
@@ -60,9 +61,10 @@ class Batch:
             part = tokens.index(min(tokens))
             rows[part].append(row)
             tokens[part] += lengths[row]
-        return [self._select(sorted(part)) if part else _masked_row() for part in rows]
+        return [self.select(sorted(part)) if part else _masked_row() for part in rows]
 
-    def _select(self, rows: list[int]) -> Batch:
+    def select(self, rows: list[int]) -> Batch:
+        """These rows, in this order, trimmed to their longest."""
         index = torch.tensor(rows)
         length = int(self.attention_mask[index].sum(dim=1).max())
         # indexing copies: a view pickled to another process would carry the whole batch
@@ -72,7 +74,9 @@ class Batch:
             loss_mask=self.loss_mask[index, :length],
             rollout_logprobs=self.rollout_logprobs[index, :length],
             weight_versions=self.weight_versions[index, :length],
-            advantages=self.advantages[index],
+            advantages=self.advantages[index]
+            if self.advantages.dim() == 1
+            else self.advantages[index, :length],
             sampling=self.sampling.select(index, length),
         )
 

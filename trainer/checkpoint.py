@@ -36,13 +36,18 @@ class TrainerState:
     trained: list[list[int]] = field(default_factory=list)
     """[steps] the seqs each step trained on."""
     consumed: list[int] = field(default_factory=list)
-    """Seqs taken and let go without a step: groups too stale to train on, and the
-    trajectories of skipped steps."""
+    """Seqs taken and let go without a step: dropped groups, the trajectories of skipped
+    steps, and evaluation episodes."""
     skipped_steps: dict[str, int] = field(default_factory=dict)
     """Steps skipped (no optimizer step, no version) by reason (`loop.py`): zero_advantage,
     untrainable, stale, masked."""
     dropped_stale_groups: int = 0
-    """Groups whose every sampled token was past `max_staleness` when they became ready."""
+    """Groups whose every sampled token was past `max_staleness` when they became ready or
+    while they waited for a step."""
+    dropped_flat_groups: int = 0
+    """Groups whose episodes all had the same outcome, dropped by `drop_flat_groups`."""
+    evaluations: list[tuple[int, float]] = field(default_factory=list)
+    """(weight version, reward) of the evaluation episodes not yet in a metrics record."""
     baseline: float | None = None
     """Running baseline of REINFORCE with baseline."""
 
@@ -51,7 +56,10 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
-        return cls(**{**data, "pending": [Trajectory.from_json(t) for t in data["pending"]]})
+        """Older checkpoints lack newer counters: they start at their defaults."""
+        evaluations = [(int(v), float(r)) for v, r in data.get("evaluations", [])]
+        pending = [Trajectory.from_json(t) for t in data["pending"]]
+        return cls(**{**data, "pending": pending, "evaluations": evaluations})
 
 
 def save(folder: Path, state: TrainerState, policy_state: dict[str, Any]) -> None:

@@ -4,16 +4,19 @@ torch, so the command line (`molt-proxy serve --help`) builds in milliseconds.""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from molt_proxy.config import default
 from trainer.advantage import Estimator
 
 IsMode = Literal["truncate", "mask"]
-IsLevel = Literal["token", "sequence"]
+Level = Literal["token", "sequence"]
+KlEstimator = Literal["k1", "k2", "k3"]
+KlIn = Literal["loss", "reward"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 ConstrainedTurns = Literal["train", "skip"]
 
 
@@ -30,7 +33,7 @@ class LossConfig:
     """truncate: w = min(ratio, is_high) (TIS, Yao et al. 2025); every token trains, the
     variance is bounded, at a small bias. mask: w = ratio inside [is_low, is_high], else 0;
     tokens the trainer and the sampler disagree about are dropped instead of trusted a bit."""
-    is_level: IsLevel = "token"
+    is_level: Level = "token"
     """token: a ratio per token. sequence: the geometric mean of the token ratios over the
     sequence's kept tokens, shared by all of them; a sequence is judged (and masked) whole.
     The geometric mean sits much closer to 1, so the sequence level wants tighter bounds."""
@@ -43,15 +46,45 @@ class LossConfig:
     withheld and counted; None trains on any age. 4 is a cautious start: AReaL (whose eta
     this is) trains well a few versions behind once decoupled PPO corrects for it."""
 
+    ratio_level: Level = "token"
+    """The PPO ratio pi/pi_old and its clip. token: per token (PPO). sequence: GSPO (Zheng et
+    al. 2025), s_i = exp(mean over the sequence's kept tokens of log(pi/pi_old)), clipped once
+    per sequence and shared by its tokens; its gradient is the mean of the tokens'. GSPO's
+    objective is this with `--loss-agg seq-mean-token-mean` and far tighter clips (3e-4, 4e-4
+    in the paper), since a geometric mean stays close to 1."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: this times the policy's entropy at each kept token is subtracted
+    from the loss. 0 (the default; DAPO and Dr.GRPO use none): the entropy is only logged."""
+    kl_coef: float = 0.0
+    """beta of a KL penalty towards a frozen reference policy, the initial weights. 0 (the
+    default, as in DAPO and Dr.GRPO, which found it only slows learning): no reference model
+    is loaded at all. Above 0 the trainer holds a second copy of the model and runs one more
+    forward per micro-batch (bench/RESULTS.md, block 4)."""
+    kl_estimator: KlEstimator = "k3"
+    """Per sampled token, with x = log ref - log pi: k1 = -x (unbiased, can be negative), k2 =
+    x^2 / 2, k3 = e^x - 1 - x (unbiased for KL(pi || ref), never negative, low variance:
+    GRPO's); Schulman, "Approximating KL divergence" (2020)."""
+    kl_in: KlIn = "loss"
+    """loss: beta * k_t is added to every kept token's term, with its gradient (GRPO). reward:
+    beta times the sum of k_t over a trajectory's sampled tokens (pi there: the sampler's mu)
+    is subtracted from its reward before the advantages (PPO-RLHF); per turn with
+    `--turn-discount`."""
+    loss_agg: LossAgg = "token-mean"
+    """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
+    token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
+    sequence count (Dr.GRPO, no length bias); seq-mean-token-mean weighs every sequence alike."""
+
     def __post_init__(self) -> None:
+        hints = get_type_hints(LossConfig)
+        for f in fields(self):
+            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else ()
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.is_mode not in ("truncate", "mask"):
-            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
-        if self.is_level not in ("token", "sequence"):
-            raise ValueError(f"is_level must be 'token' or 'sequence', got {self.is_level!r}")
+        for name in ("clip_high", "entropy_coef", "kl_coef"):
+            if getattr(self, name) < 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.is_low <= 1.0 <= self.is_high:
             raise ValueError(
                 f"need 0 <= is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}"
@@ -90,6 +123,16 @@ class TrainerConfig:
     and the clip idle; 2 or more make the clip act (PPO, Schulman et al. 2017, used 3-10)."""
     mini_batches: int = 1
     """Optimizer steps per epoch: the step's rows are split into this many mini-batches."""
+    turn_discount: float | None = None
+    """Per-turn credit: each turn's advantage from its discounted reward-to-go over the
+    per-turn rewards (`Turn.reward`) and the final reward, compared per turn position within
+    the group (`trainer/advantage.py`). None (the default): one advantage per episode, from
+    its final reward, on every sampled token."""
+    drop_flat_groups: bool = False
+    """DAPO's dynamic sampling: a group whose episodes all had the same outcome (reward, and
+    per-turn rewards with `turn_discount`) gives a group-relative estimator advantage 0
+    everywhere; drop it before the step (counted: `dropped_flat_groups`) and wait for groups
+    with something to learn, so every step has `groups_per_step` informative groups."""
     loss: LossConfig = field(default_factory=LossConfig)
     refresh_every: int = 1
     """Push new weights to vLLM after every this many steps."""
@@ -127,13 +170,21 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.turn_discount is not None and not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
+        if self.drop_flat_groups and self.estimator in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE):
+            raise ValueError(
+                f"drop_flat_groups needs a group-relative estimator: {self.estimator} learns from any group"
+            )
+        if self.loss.kl_coef > 0 and self.num_workers > 1:
+            raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
             raise ValueError(f"constrained_turns must be 'train' or 'skip', got {self.constrained_turns!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The trainer's flags; each default is the field's own, above or on `LossConfig`."""
-    train, loss = partial(default, TrainerConfig), partial(default, LossConfig)
+    train = partial(default, TrainerConfig)
     group = parser.add_argument_group("trainer")
     group.add_argument(
         "--train-out", default="runs/train", help="checkpoints, weights, metrics, reward curve"
@@ -161,10 +212,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--mini-batches", type=int, default=train("mini_batches"), help="optimizer steps per epoch"
     )
+    group.add_argument(
+        "--turn-discount",
+        type=float,
+        default=train("turn_discount"),
+        help="per-turn credit: each turn's advantage from its discounted reward-to-go over per-turn "
+        "rewards and the final reward, per turn position in the group; default: one per episode",
+    )
+    group.add_argument(
+        "--drop-flat-groups",
+        action="store_true",
+        help="DAPO dynamic sampling: drop groups whose episodes all had the same outcome (advantage 0) "
+        "before the step, counted; a step waits for groups_per_step informative groups",
+    )
     group.add_argument("--refresh-every", type=int, default=train("refresh_every"))
-    group.add_argument("--max-staleness", type=int, default=loss("max_staleness"))
-    group.add_argument("--is-mode", choices=["truncate", "mask"], default=loss("is_mode"))
-    group.add_argument("--is-level", choices=["token", "sequence"], default=loss("is_level"))
     group.add_argument(
         "--num-workers", type=int, default=train("num_workers"), help=">1: FSDP2 data-parallel workers"
     )
@@ -184,6 +245,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "skip leaves them out of the loss (counted: constrained_tokens), train trains them against the "
         "unmasked policy (default: %(default)s)",
     )
+    _add_loss_arguments(parser.add_argument_group("trainer loss (trainer/loss.py)"))
+
+
+_LOSS_HELP = {
+    "clip_low": "PPO clip 1 - clip_low where A < 0: how far one update may lower a token",
+    "clip_high": "PPO clip 1 + clip_high where A > 0; above clip_low (clip-higher, DAPO): slows "
+    "entropy collapse",
+    "is_mode": "train/rollout weight pi_old/mu: truncate caps it at is_high (TIS), mask zeroes it outside "
+    "[is_low, is_high]",
+    "is_level": "that weight per token, or one geometric mean per sequence (judged whole)",
+    "is_low": "lower bound of --is-mode mask",
+    "is_high": "cap of truncate, upper bound of mask",
+    "ratio_level": "PPO ratio and clip per token, or per sequence (GSPO: geometric mean of the token ratios)",
+    "entropy_coef": "entropy bonus per kept token (the entropy is logged whatever this is)",
+    "kl_coef": "beta of a KL penalty towards the initial weights; 0: no reference model loaded",
+    "kl_estimator": "per-token KL estimate: k1 (log ratio), k2 (half its square), k3 (low variance, >= 0)",
+    "kl_in": "the penalty in each token's loss term (GRPO), or subtracted from the reward (PPO-RLHF)",
+    "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
+    "or per sequence averaged (GRPO)",
+    "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",
+}
+"""One line of why per `LossConfig` field; the flag, type, choices and default come from the field."""
+
+
+def _add_loss_arguments(group: argparse._ArgumentGroup) -> None:
+    """A flag per `LossConfig` field (`clip_low` -> `--clip-low`), its default the field's own."""
+    hints = get_type_hints(LossConfig)
+    for f in fields(LossConfig):
+        kind = hints[f.name]
+        options: dict = {"default": f.default, "help": f"{_LOSS_HELP[f.name]} (default: %(default)s)"}
+        if get_origin(kind) is Literal:
+            options["choices"] = get_args(kind)
+        elif kind == int | None:
+            options["type"] = _int_or_none
+        else:
+            options["type"] = kind
+        group.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
 
 
 def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> TrainerConfig:
@@ -198,12 +300,14 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         groups_per_step=args.groups_per_step,
         max_steps=args.max_steps,
         estimator=Estimator(args.estimator),
+        turn_discount=args.turn_discount,
+        drop_flat_groups=args.drop_flat_groups,
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         ppo_epochs=args.ppo_epochs,
         mini_batches=args.mini_batches,
         refresh_every=args.refresh_every,
-        loss=LossConfig(max_staleness=args.max_staleness, is_mode=args.is_mode, is_level=args.is_level),
+        loss=LossConfig(**{f.name: getattr(args, f.name) for f in fields(LossConfig)}),
         num_workers=args.num_workers,
         ray_address=args.ray_address,
         seed=args.seed,

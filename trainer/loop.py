@@ -1,6 +1,6 @@
-"""The async training loop: stream → whole sessions, complete groups → advantages → step →
-checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running against the proxy all the
-while.
+"""The async training loop: stream → whole sessions, complete groups → advantages
+(`credit.py`) → step → checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running
+against the proxy all the while.
 
 Steps and versions: a trainer step takes `groups_per_step` groups and runs PPO's schedule on
 them (`Policy.ppo_step`: pi_old once, then `ppo_epochs` x `mini_batches` optimizer steps).
@@ -17,10 +17,14 @@ not trained on later) but no optimizer step runs, the step and version stay, and
 refreshed. A step is skipped when every advantage is 0 ("zero_advantage"), every sampled
 token is left out by how it was sampled ("untrainable", `sampling.py`), every one left is past
 `max_staleness` ("stale"), or every update's gradient was exactly 0, i.e. every kept token was
-masked by its importance weight ("masked"). A group whose every sampled token
-is already past `max_staleness` when it becomes ready is dropped and counted instead of
-waiting for a step. `max_steps` counts steps taken and skipped alike: a solved task (every
-reward equal, so every advantage 0) skips every step, and the run must still end.
+masked by its importance weight ("masked"). Groups are dropped and counted before a step
+instead (`_admit`): a group whose every sampled token is past `max_staleness` when it becomes
+ready, or while it waits for a step; and with `drop_flat_groups` (DAPO's dynamic sampling) a
+group whose episodes all had the same outcome, which group-relative estimators give advantage
+0 everywhere: the step waits for `groups_per_step` groups with something to learn.
+`max_steps` counts steps taken and skipped alike, and every `groups_per_step` flat groups
+dropped as one more: a solved task (every reward equal, so every advantage 0) skips or drops
+everything, and the run must still end.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import httpx
 import torch
 
 from molt_proxy.types import Trajectory
+from molt_proxy.wire.control import EVAL_GROUP_PREFIX
 from trainer import checkpoint
-from trainer.advantage import Estimator, compute_advantages, update_baseline
+from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
+from trainer.credit import is_flat, reward_kl, step_advantages
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
 from trainer.source import TrajectoryStream
@@ -48,17 +54,14 @@ log = logging.getLogger(__name__)
 _BASELINE_DECAY = 0.9
 
 
-def group_advantages(groups: list[Group], estimator: Estimator, baseline: float | None) -> list[float]:
-    """One advantage per trajectory: computed over the group's sessions (one reward each) and
-    shared by all segments of a session."""
-    advantages = []
-    for group in groups:
-        rewards = {t.session_id: t.reward for t in group.trajectories}
-        sessions = list(rewards)
-        values = compute_advantages([rewards[s] for s in sessions], estimator, baseline=baseline or 0.0)
-        by_session = dict(zip(sessions, values, strict=True))
-        advantages += [by_session[t.session_id] for t in group.trajectories]
-    return advantages
+def replicas_behind(proxy_url: str, version: int, headers: dict[str, str]) -> list[str]:
+    """The vLLM replicas (URLs) not serving weight `version`, from the proxy's `/health`. The
+    proxy answers a refresh some replicas failed with 200 and the ones loaded; it takes a
+    failed one out of routing and gives it the current weights before it serves again (when
+    it passes a health check), so a trainer only has to notice and report it."""
+    health = httpx.get(f"{proxy_url.rstrip('/')}/health", headers=headers, timeout=30)
+    health.raise_for_status()
+    return [r["url"] for r in health.json()["replicas"] if r["weight_version"] != version]
 
 
 def has_fresh_tokens(group: Group, version: int, max_staleness: int | None) -> bool:
@@ -79,6 +82,8 @@ class Trainer:
         self.checkpoint_dir = config.out_dir / "checkpoint"
         self.metrics = MetricsLog(config.out_dir / "metrics.jsonl", tensorboard=config.tensorboard)
         self.state = checkpoint.TrainerState()
+        self.replicas_behind = 0
+        """vLLM replicas that missed the last refresh (`replicas_behind`), in every record."""
         restored = checkpoint.load(self.checkpoint_dir)
         if restored is not None:
             self.state, policy_state = restored
@@ -99,21 +104,19 @@ class Trainer:
         stream = TrajectoryStream(config.proxy_url, state.cursor, admin_key=config.admin_key).start()
         ready: list[Group] = []
         try:
-            while state.step + sum(state.skipped_steps.values()) < config.max_steps:
+            while self._steps_done() < config.max_steps:
                 trajectory = stream.get(timeout_s=0.2)
                 if trajectory is not None:
-                    buffer.add(trajectory)
                     state.cursor = trajectory.seq
-                for group in buffer.pop_ready():
-                    if has_fresh_tokens(group, state.version, config.loss.max_staleness):
-                        ready.append(group)
+                    if trajectory.group_id.startswith(EVAL_GROUP_PREFIX):
+                        self._evaluated(trajectory)
                     else:
-                        state.dropped_stale_groups += 1
-                        state.consumed += [t.seq for t in group.trajectories]
-                        log.info("dropped group %s: every sampled token is stale", group.group_id)
+                        buffer.add(trajectory)
+                ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
                     self._step(groups, pending=[t for g in ready for t in g.trajectories] + buffer.pending())
+                    ready = self._admit(ready)  # the version moved on: a waiting group may be stale now
         finally:
             stream.stop()
         records = read(self.metrics.path)
@@ -121,19 +124,74 @@ class Trainer:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
         return {"step": state.step, "version": state.version, "cursor": state.cursor}
 
+    def _evaluated(self, trajectory: Trajectory) -> None:
+        """An evaluation episode (group `eval/...`): never trained on, consumed; its reward
+        (once per session) is kept under the weight version that sampled it, the latest of its
+        tokens', for the next metrics record."""
+        self.state.consumed.append(trajectory.seq)
+        sampled = [v for v, m in zip(trajectory.weight_versions, trajectory.loss_mask, strict=True) if m]
+        if trajectory.reward is not None and trajectory.segment == 0 and sampled:
+            self.state.evaluations.append((max(sampled), trajectory.reward))
+
+    def _eval_rewards(self) -> dict[str, float]:
+        """{version: mean reward} of the evaluation episodes since the last record; clears them."""
+        by_version: dict[int, list[float]] = {}
+        for version, reward in self.state.evaluations:
+            by_version.setdefault(int(version), []).append(reward)
+        self.state.evaluations = []
+        return {str(v): sum(rewards) / len(rewards) for v, rewards in sorted(by_version.items())}
+
+    def _admit(self, groups: list[Group]) -> list[Group]:
+        """The groups a step can learn from; the others are dropped, their trajectories
+        consumed, and counted: every sampled token stale (`dropped_stale_groups`), or, with
+        `drop_flat_groups`, every episode's outcome the same (`dropped_flat_groups`)."""
+        state, kept = self.state, []
+        for group in groups:
+            if not has_fresh_tokens(group, state.version, self.config.loss.max_staleness):
+                state.dropped_stale_groups += 1
+                log.info("dropped group %s: every sampled token is stale", group.group_id)
+            elif self.config.drop_flat_groups and is_flat(
+                group, by_turn=self.config.turn_discount is not None
+            ):
+                state.dropped_flat_groups += 1
+                log.info("dropped group %s: every episode's outcome is the same", group.group_id)
+            else:
+                kept.append(group)
+                continue
+            state.consumed += [t.seq for t in group.trajectories]
+        return kept
+
+    def _steps_done(self) -> int:
+        """Steps taken and skipped, and a step per `groups_per_step` flat groups dropped."""
+        state = self.state
+        flat = state.dropped_flat_groups // self.config.groups_per_step
+        return state.step + sum(state.skipped_steps.values()) + flat
+
+    @property
+    def _by_turn(self) -> bool:
+        return self.config.turn_discount is not None
+
     def _step(self, groups: list[Group], pending: list[Trajectory]) -> None:
         config, state = self.config, self.state
         started = time.monotonic()
         trajectories = [t for g in groups for t in g.trajectories]
-        advantages = group_advantages(groups, config.estimator, state.baseline)
         batch = collate(
             trajectories,
-            advantages,
+            [0.0] * len(trajectories),
             train_greedy=config.train_greedy,
             train_constrained=config.constrained_turns == "train",
         )
+        penalties, kl_metrics = self._reward_kl(batch, trajectories)
+        batch.advantages = step_advantages(
+            groups,
+            config.estimator,
+            state.baseline,
+            config.turn_discount,
+            batch.input_ids.shape[1],
+            penalties=penalties,
+        )
         state.pending = pending
-        if not any(advantages):
+        if not bool(batch.advantages.any()):
             return self._skip(trajectories, "zero_advantage")
         if not batch.loss_mask.any():
             return self._skip(trajectories, "untrainable")
@@ -152,6 +210,7 @@ class Trainer:
         state.version += 1
         state.optimizer_steps += int(step_metrics["optimizer_steps"])
         state.trained.append([t.seq for t in trajectories])
+        evaluations = self._eval_rewards()
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
         sampled = [
@@ -177,12 +236,26 @@ class Trainer:
             "step_s": time.monotonic() - started,
             "time": time.time(),
             **step_metrics,
+            **kl_metrics,
             **batch.sampling.counts(),
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
+            "dropped_flat_groups": state.dropped_flat_groups,
+            "replicas_behind": self.replicas_behind,
+            **({"eval_reward": evaluations} if evaluations else {}),
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }
         self.metrics.write(record)
+
+    def _reward_kl(
+        self, batch: Batch, trajectories: list[Trajectory]
+    ) -> tuple[list[list[float]] | None, dict[str, float]]:
+        """With `--kl-in reward`: the KL penalty of each trajectory's turns, and `kl_ref` to log."""
+        loss = self.config.loss
+        if loss.kl_coef == 0 or loss.kl_in != "reward":
+            return None, {}
+        penalties, mean = reward_kl(self.policy, batch, trajectories, loss, self.config.micro_batch_size)
+        return penalties, {"kl_ref": mean}
 
     def _mini_batches(self, batch: Batch) -> list[list[Batch]]:
         """`mini_batches` parts of the step's rows (balanced by tokens), each split into
@@ -218,6 +291,15 @@ class Trainer:
         )
         response.raise_for_status()
         _prune_weights(folder.parent, keep=folder)
+        behind = replicas_behind(self.config.proxy_url, self.state.version, headers)
+        if behind:
+            log.warning(
+                "weights v%d are not on %s: the proxy keeps them out of routing and reloads them "
+                "once they pass a health check",
+                self.state.version,
+                ", ".join(behind),
+            )
+        self.replicas_behind = len(behind)
         return time.monotonic() - started
 
 
@@ -239,4 +321,6 @@ def _make_policy(config: TrainerConfig):
         )
     from trainer.policy import Policy
 
-    return Policy(config.model, lr=config.lr, max_grad_norm=config.max_grad_norm)
+    return Policy(
+        config.model, lr=config.lr, max_grad_norm=config.max_grad_norm, reference=config.loss.kl_coef > 0
+    )

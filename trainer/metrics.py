@@ -55,7 +55,8 @@ def progress_line(record: dict[str, Any], max_steps: int) -> str:
     return (
         f"step {record['step']:>4}/{max_steps} {bar} reward {record['reward_mean']:+.3f} "
         f"| {record['tokens_per_s']:,.0f} tok/s | kl {record.get('approx_kl', 0.0):.4f} "
-        f"| staleness {record['staleness_mean']:.2f} | refresh {record.get('refresh_s', 0.0):.2f}s"
+        f"| entropy {record.get('entropy', 0.0):.3f} | staleness {record['staleness_mean']:.2f} "
+        f"| refresh {record.get('refresh_s', 0.0):.2f}s"
     )
 
 
@@ -75,6 +76,10 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, alpha=0.35, label="batch mean reward")
     ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window})")
+    evaluated = sorted((int(v), r) for record in records for v, r in record.get("eval_reward", {}).items())
+    if evaluated:
+        # version k is the policy after k steps: evaluations sit on the step axis
+        ax.plot(*zip(*evaluated, strict=True), "o", label="evaluation reward (by weight version)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.set_title("molt-proxy: reward during training")

@@ -43,8 +43,8 @@ from transformers import AutoModelForCausalLM
 
 from trainer.batch import Batch
 from trainer.config import LossConfig
-from trainer.loss import count_loss_tokens, policy_loss
-from trainer.sampling import TokenSampling, processed_logprobs
+from trainer.loss import loss_denominator, policy_loss
+from trainer.sampling import TokenSampling, processed_logprobs, processed_logprobs_and_entropy
 
 # 1. Logprobs --------------------------------------------------------------------------------
 
@@ -72,8 +72,33 @@ def token_logprobs(
         picked = picked.squeeze(-1)
     else:
         picked = processed_logprobs(logits, input_ids[:, 1:], sampling.shifted())
-    logprobs = nn.functional.pad(picked, (1, 0))
-    return torch.where(attention_mask.bool(), logprobs, torch.zeros_like(logprobs))
+    return _aligned(picked, attention_mask)
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    sampling: TokenSampling,
+    loss_mask: Tensor,
+    *,
+    entropy_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs`, and [B,T] the entropy of the distribution each token was drawn from,
+    aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere): one forward, one
+    log_softmax. With a gradient only when `entropy_grad` (an entropy bonus); logging it costs
+    an exp and a dot over the vocabulary per trained token."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    picked, entropy = processed_logprobs_and_entropy(
+        logits, input_ids[:, 1:], sampling.shifted(), loss_mask[:, 1:].bool(), entropy_grad=entropy_grad
+    )
+    return _aligned(picked, attention_mask), _aligned(entropy, attention_mask)
+
+
+def _aligned(values: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B,T-1] values of the next token -> [B,T] at the token's position, 0 at 0 and on padding."""
+    out = nn.functional.pad(values, (1, 0))
+    return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
 
 
 # 2. Metrics ---------------------------------------------------------------------------------
@@ -86,7 +111,7 @@ _SHARED = frozenset({"grad_norm", "optimizer_steps"})
 
 def merge_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     """One metrics dict from those of micro-batches or ranks: counts and the loss (already
-    divided by the step's N) add up, maxima take the max, shared values are taken once, and
+    divided by the step's D) add up, maxima take the max, shared values are taken once, and
     every other metric (a share or mean over kept tokens) is averaged weighted by kept tokens."""
     kept = sum(part["kept_tokens"] for part in parts)
     merged = {}
@@ -128,6 +153,8 @@ class Policy:
     device: where the model lives; batches are moved there.
     fsdp: shard every decoder layer and the root with FSDP2; needs an initialised process
         group (one per rank, `workers.TrainWorker`).
+    reference: also hold a frozen copy of the initial weights, the reference of a KL penalty
+        (`LossConfig.kl_coef`); it stays the initial weights when a checkpoint is loaded.
     """
 
     def __init__(
@@ -140,6 +167,7 @@ class Policy:
         betas: tuple[float, float] = (0.9, 0.999),
         device: str | torch.device = "cpu",
         fsdp: bool = False,
+        reference: bool = False,
     ):
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -154,6 +182,10 @@ class Policy:
         self.model = model.eval()
         if fsdp:
             _shard(self.model)
+        self.reference: nn.Module | None = None
+        if reference:
+            frozen = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self.reference = frozen.to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
@@ -165,13 +197,13 @@ class Policy:
         loss: LossConfig,
         *,
         epochs: int = 1,
-        num_tokens: Sequence[int] | None = None,
+        denominators: Sequence[int] | None = None,
     ) -> dict[str, float]:
         """One trainer step: pi_old once, then `epochs` passes of one `train_step` per
         mini-batch (each a list of micro-batches).
 
-        num_tokens: N of each mini-batch; None counts them here (a data-parallel rank is
-            given the counts over all ranks).
+        denominators: D of each mini-batch (`loss_denominator`); None counts them here (a
+            data-parallel rank is given the counts over all ranks).
 
         Returns `merge_updates` of the updates' metrics; `optimizer_steps` is 0 when every
         update's gradient was zero, i.e. the step left the weights as they were.
@@ -180,16 +212,14 @@ class Policy:
             raise ValueError(
                 f"a step needs epochs >= 1 and a mini-batch, got {epochs} and {len(mini_batches)}"
             )
-        counts = list(num_tokens) if num_tokens is not None else [None] * len(mini_batches)
+        counts = list(denominators) if denominators is not None else [None] * len(mini_batches)
         if epochs == 1 and len(mini_batches) == 1:
-            update = self.train_step(mini_batches[0], current_version, loss, num_tokens_in_step=counts[0])
+            update = self.train_step(mini_batches[0], current_version, loss, denominator=counts[0])
             return merge_updates([update], 1)
         with torch.no_grad():
             old = [[self.logprobs(mb) for mb in mini_batch] for mini_batch in mini_batches]
         updates = [
-            self.train_step(
-                mini_batch, current_version, loss, num_tokens_in_step=count, old_logprobs=old_logprobs
-            )
+            self.train_step(mini_batch, current_version, loss, denominator=count, old_logprobs=old_logprobs)
             for _ in range(epochs)
             for mini_batch, count, old_logprobs in zip(mini_batches, counts, old, strict=True)
         ]
@@ -200,41 +230,57 @@ class Policy:
         mb = micro_batch.to(self.device)
         return token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
 
+    def reference_logprobs(self, micro_batch: Batch) -> Tensor:
+        """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`."""
+        if self.reference is None:
+            raise RuntimeError("this Policy holds no reference model (Policy(reference=True))")
+        mb = micro_batch.to(self.device)
+        with torch.no_grad():
+            return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, mb.sampling)
+
     def train_step(
         self,
         micro_batches: Sequence[Batch],
         current_version: int,
         loss: LossConfig,
         *,
-        num_tokens_in_step: int | None = None,
+        denominator: int | None = None,
         old_logprobs: Sequence[Tensor] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over all micro-batches, gradients accumulated in between.
 
         current_version: the trainer's weight version, for the staleness bound.
-        num_tokens_in_step: N, the kept tokens of the whole update. None counts them here; a
-            data-parallel rank is given the count over all ranks, so every token of the
-            update weighs 1/N wherever it was computed.
+        denominator: D of the whole update (`loss_denominator`: its kept tokens, or its
+            sequences, per `loss_agg`). None counts it here; a data-parallel rank is given the
+            count over all ranks, so every token of the update weighs the same wherever it
+            was computed.
         old_logprobs: [B,T] log pi_old of each micro-batch (`ppo_step` computes them before
             its first update); None takes this forward pass's own, detached: right while the
             weights are still those of pi_old.
 
         Returns `policy_loss`'s metrics merged over micro-batches (`kept_tokens` adds up to
-        N), `loss` (the update's loss), `grad_norm` (before clipping) and `optimizer_steps`
-        (1, or 0 when the gradient was exactly zero and the weights were left alone).
+        the update's kept tokens), `loss` (the update's loss), `grad_norm` (before clipping)
+        and `optimizer_steps` (1, or 0 when the gradient was exactly zero and the weights were left alone).
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        if num_tokens_in_step is None:
-            num_tokens_in_step = sum(
-                count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss)
+        if denominator is None:
+            denominator = sum(
+                loss_denominator(mb.loss_mask, mb.weight_versions, current_version, loss)
                 for mb in micro_batches
             )
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for i, micro_batch in enumerate(micro_batches):
             mb = micro_batch.to(self.device)
-            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
+            logprobs, entropy = token_logprobs_and_entropy(
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.sampling,
+                mb.loss_mask,
+                entropy_grad=loss.entropy_coef > 0,
+            )
             value, metrics = policy_loss(
                 logprobs,
                 mb.rollout_logprobs,
@@ -244,7 +290,9 @@ class Policy:
                 current_version,
                 loss,
                 old_logprobs=logprobs.detach() if old_logprobs is None else old_logprobs[i],
-                num_tokens_in_step=num_tokens_in_step,
+                denominator=denominator,
+                entropy=entropy,
+                ref_logprobs=self._reference_for_loss(micro_batch, loss),
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})
@@ -256,6 +304,12 @@ class Policy:
         if stepped:
             self.optimizer.step()
         return {**merge_metrics(parts), "grad_norm": float(grad_norm), "optimizer_steps": float(stepped)}
+
+    def _reference_for_loss(self, micro_batch: Batch, loss: LossConfig) -> Tensor | None:
+        """The reference's logprobs when the KL penalty is in the loss, else None."""
+        if loss.kl_coef == 0 or loss.kl_in != "loss":
+            return None
+        return self.reference_logprobs(micro_batch)
 
     def save_weights(self, out_dir: str | Path) -> None:
         """Write a complete Hugging Face folder that vLLM can `reload_weights` from (or start
@@ -315,7 +369,7 @@ def _shard(model: nn.Module) -> None:
 
     Gradients are reduce-scattered as a plain SUM. By default FSDP2 averages them over the
     ranks (ReduceOp.AVG, or SUM then divide), which would scale the update by 1/world_size:
-    every rank's loss is already divided by the global N, so the sum of the ranks' gradients
+    every rank's loss is already divided by the global D, so the sum of the ranks' gradients
     is exactly the single-process gradient.
     """
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])

@@ -164,22 +164,59 @@ def processed_logprobs(logits: Tensor, targets: Tensor, sampling: TokenSampling)
     Truncation works on copies of its own positions' rows only, and top-p, which sorts the
     vocabulary, only on the rows that have top_p < 1.
     """
+    return _processed(logits, targets, sampling, None)[0]
+
+
+def processed_logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, positions: Tensor, *, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """`processed_logprobs` and [B,T] the entropy of the processed distribution (the one the
+    token was drawn from) at `positions` ([B,T] bool, the sampled tokens), 0 elsewhere, from
+    the same log_softmax. Only those positions pay for it (an exp and a dot over the
+    vocabulary): in agent conversations most tokens are prompt. `entropy_grad`: whether the
+    entropy carries a gradient (an entropy bonus in the loss) or is only logged."""
+    return _processed(logits, targets, sampling, (positions, entropy_grad))
+
+
+def _entropy(logp: Tensor, finite_logp: Tensor) -> Tensor:
+    """[M] -sum_v p_v log p_v of [M,V] log probabilities; `finite_logp` is `logp` with 0 where
+    it is -inf (tokens truncation dropped: p = 0 adds 0, with a zero gradient)."""
+    return -(logp.exp().unsqueeze(-2) @ finite_logp.unsqueeze(-1)).flatten(-3)
+
+
+def _processed(
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, entropy: tuple[Tensor, bool] | None
+) -> tuple[Tensor, Tensor]:
+    """(log pi(targets), the entropy at the given positions, with a gradient or not; zeros
+    when `entropy` is None), both [B,T]."""
     temperature = sampling.temperature
     scale = torch.where(temperature < GREEDY_BELOW, torch.ones_like(temperature), temperature)
     if bool((scale != 1.0).any()):
         logits = logits / scale.unsqueeze(-1)
-    picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = logits.log_softmax(dim=-1, dtype=torch.float32)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropies = torch.zeros_like(picked)
     truncated = (sampling.top_k > 0) | (sampling.top_p < 1.0) | (sampling.min_p > 0.0)
+    grad = entropy is not None and entropy[1] and torch.is_grad_enabled()
+    with torch.set_grad_enabled(grad):
+        if entropy is not None:
+            plain = (entropy[0] & ~truncated).nonzero(as_tuple=True)
+            rows = logp[plain]  # log_softmax of finite logits is finite
+            entropies = entropies.index_put(plain, _entropy(rows, rows))
     if not bool(truncated.any()):
-        return picked
+        return picked, entropies
     where = truncated.nonzero(as_tuple=True)
     rows = logits[where]
     with torch.no_grad():
         kept = kept_tokens(rows, sampling.top_k[where], sampling.top_p[where], sampling.min_p[where])
-    masked = rows.masked_fill(~kept, -math.inf)
-    own = masked.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    own_logp = rows.masked_fill(~kept, -math.inf).log_softmax(dim=-1, dtype=torch.float32)
+    own = own_logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
     own = torch.where(torch.isinf(own), torch.full_like(own, OUTSIDE_SUPPORT), own)
-    return picked.index_put(where, own)
+    with torch.set_grad_enabled(grad):
+        if entropy is not None:
+            values = _entropy(own_logp, own_logp.masked_fill(~kept, 0.0))
+            entropies = entropies.index_put(where, torch.where(entropy[0][where], values, 0.0))
+    return picked.index_put(where, own), entropies
 
 
 def kept_tokens(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

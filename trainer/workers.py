@@ -6,12 +6,13 @@ so the loop does not know which one it drives. Each `TrainWorker` is a Ray actor
 `Policy` with `fsdp=True`; the collectives run over gloo on CPU and NCCL on GPU. It does not
 choose data, compute the loss or talk to vLLM.
 
-The update equals the single-process one: the driver counts N, the kept tokens of each
-mini-batch, before anything runs, and every rank divides its loss by that global N; FSDP2 is
-set to sum (not average) the ranks' gradients (`policy._shard`), so the reduced gradient is the
-full-batch gradient, and clipping, the zero-gradient skip and AdamW then see exactly what one
-process would. Each rank runs the same PPO schedule (`Policy.ppo_step`: pi_old of its own
-shards, then epochs x mini-batches updates), so the collectives line up.
+The update equals the single-process one: the driver counts D, the loss's denominator (kept
+tokens or sequences) of each mini-batch, before anything runs, and every rank divides its loss
+by that global D; FSDP2 is set to sum (not average) the ranks' gradients (`policy._shard`), so
+the reduced gradient is the full-batch gradient, and clipping, the zero-gradient skip and
+AdamW then see exactly what one process would. Each rank runs the same PPO schedule
+(`Policy.ppo_step`: pi_old of its own shards, then epochs x mini-batches updates), so the
+collectives line up.
 
 Each micro-batch is split across the ranks balanced by tokens (`Batch.split`); a rank left
 without rows gets one masked token, so it still runs every forward, backward and collective
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from trainer.batch import Batch
 from trainer.config import LossConfig
-from trainer.loss import count_loss_tokens
+from trainer.loss import loss_denominator
 from trainer.policy import Policy, merge_metrics
 
 
@@ -73,10 +74,10 @@ class TrainWorker:
         current_version: int,
         loss: LossConfig,
         epochs: int,
-        num_tokens: list[int],
+        denominators: list[int],
     ) -> dict[str, float]:
         return self._policy.ppo_step(
-            mini_batches, current_version, loss, epochs=epochs, num_tokens=num_tokens
+            mini_batches, current_version, loss, epochs=epochs, denominators=denominators
         )
 
     def save_weights(self, out_dir: str) -> None:
@@ -135,8 +136,8 @@ class DataParallelPolicy:
     ) -> dict[str, float]:
         """`Policy.ppo_step` over the ranks: rank r trains on shard r of every micro-batch.
         Metrics are merged over the ranks as over micro-batches."""
-        tokens = [
-            sum(count_loss_tokens(mb.loss_mask, mb.weight_versions, current_version, loss) for mb in mini)
+        denominators = [
+            sum(loss_denominator(mb.loss_mask, mb.weight_versions, current_version, loss) for mb in mini)
             for mini in mini_batches
         ]
         shards = [[mb.split(len(self.workers)) for mb in mini] for mini in mini_batches]
@@ -147,7 +148,7 @@ class DataParallelPolicy:
                     current_version,
                     loss,
                     epochs,
-                    tokens,
+                    denominators,
                 )
                 for rank, w in enumerate(self.workers)
             ]

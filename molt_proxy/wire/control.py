@@ -49,10 +49,22 @@ class RewardBody(BaseModel):
         return reward
 
 
+EVAL_GROUP_PREFIX = "eval/"
+"""Sessions in a group named so are evaluation episodes: recorded and streamed, never trained on."""
+
+
 def decode_session_body(body: bytes) -> tuple[str | None, str | None]:
-    """`POST /v1/sessions`: the optional `session_id` and `group_id` (an empty body is none)."""
+    """`POST /v1/sessions`: the optional `session_id` and `group_id` (an empty body is none).
+    `"train": false` makes the session an evaluation episode: its group is put under
+    `EVAL_GROUP_PREFIX` (`eval/<group_id>`, or `eval/` without one), which the trainer skips."""
     data = decode_json_object(body, allow_empty=True)
-    return optional_str(data, "session_id"), optional_str(data, "group_id")
+    session_id, group_id = optional_str(data, "session_id"), optional_str(data, "group_id")
+    train = data.get("train", True)
+    if not isinstance(train, bool):
+        raise BadRequest("'train' must be a boolean", param="train")
+    if not train and not (group_id or "").startswith(EVAL_GROUP_PREFIX):
+        group_id = EVAL_GROUP_PREFIX + (group_id or "")
+    return session_id, group_id
 
 
 def decode_weights_body(body: bytes) -> tuple[str, object]:
@@ -92,7 +104,7 @@ def request_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, 
 _NAME = {"type": "string", "minLength": 1}
 SESSION_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"session_id": _NAME, "group_id": _NAME},
+    "properties": {"session_id": _NAME, "group_id": _NAME, "train": {"type": "boolean", "default": True}},
 }
 WEIGHTS_SCHEMA: dict[str, Any] = {
     "type": "object",

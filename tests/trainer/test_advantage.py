@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.advantage import Estimator, compute_advantages, update_baseline
+from trainer.advantage import Estimator, compute_advantages, turn_advantages, turn_returns, update_baseline
 
 # A group of four rewards used throughout: mean 3, deviations -2, -1, 0, 3.
 REWARDS = [1.0, 2.0, 3.0, 6.0]
@@ -87,3 +87,18 @@ def test_empty_group_non_finite_reward_and_unknown_estimator_are_refused() -> No
         compute_advantages([1.0], "ppo")
     with pytest.raises(ValueError):
         update_baseline(0.0, [1.0], decay=1.0)
+
+
+def test_turn_returns_are_the_discounted_reward_to_go_with_the_final_reward_on_the_last_turn() -> None:
+    # rewards 1, none, 0.5 and a final 1: 1, 0, 1.5; G_3 = 1.5, G_2 = 0 + 0.5 * 1.5, G_1 = 1 + 0.5 * 0.75
+    assert turn_returns([1.0, None, 0.5], 1.0, discount=0.5) == [1.375, 0.75, 1.5]
+    assert turn_returns([None, None], 2.0, discount=1.0) == [2.0, 2.0]
+    assert turn_returns([], 2.0, discount=1.0) == []
+    with pytest.raises(ValueError):
+        turn_returns([1.0], 0.0, discount=1.5)
+
+
+def test_turn_advantages_compare_each_turn_position_across_the_group() -> None:
+    # episodes of 3, 3 and 1 turns; Dr.GRPO per position: means 1, 3 and 5
+    returns = [[0.0, 2.0, 5.0], [2.0, 4.0, 5.0], [1.0]]
+    assert turn_advantages(returns, Estimator.DR_GRPO) == [[-1.0, -1.0, 0.0], [1.0, 1.0, 0.0], [0.0]]

@@ -9,7 +9,7 @@ from tests.trainer.builders import session, trajectory
 from trainer import checkpoint
 from trainer.advantage import Estimator
 from trainer.buffer import GroupBuffer
-from trainer.loop import group_advantages
+from trainer.credit import group_advantages
 
 
 class Clock:
@@ -79,6 +79,17 @@ def test_advantages_are_per_session_and_shared_by_its_segments():
     groups = buffer.pop_ready()
     # Dr.GRPO: r - mean over the two sessions (1.0, 0.0) -> +0.5 / -0.5; "a" has two segments.
     assert group_advantages(groups, Estimator.DR_GRPO, None) == [0.5, 0.5, -0.5]
+
+
+def test_a_kl_penalty_in_the_reward_is_subtracted_per_session_before_the_baseline():
+    buffer = GroupBuffer(group_size=2, timeout_s=5, clock=Clock())
+    for t in session(1, "a", "g", 1.0, segments=2) + session(3, "b", "g", 0.0, segments=1):
+        buffer.add(t)
+    groups = buffer.pop_ready()
+    # a: 1.0 - (0.1 + 0.2) = 0.7 over its two segments; b: 0.0 - 0.1; mean 0.3
+    penalties = [[0.1], [0.2], [0.1]]
+    advantages = group_advantages(groups, Estimator.DR_GRPO, None, penalties=penalties)
+    assert advantages == pytest.approx([0.4, 0.4, -0.4])
 
 
 def test_checkpoint_round_trip_keeps_cursor_pending_and_history(tmp_path):

@@ -33,5 +33,7 @@ def test_example_task_reward_climbs(tmp_path):
     last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
     assert last > first + 0.2, (first, last)
     assert (out / "train" / "reward_curve.png").stat().st_size > 0
+    # The greedy evaluation episodes were logged by weight version, never trained on.
+    assert any(r.get("eval_reward") for r in records)
     # Every step refreshed vLLM: the versions vLLM labelled tokens with reached the last steps.
     assert max(r["version"] for r in records) == len(records)

@@ -114,3 +114,57 @@ def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
     assert (trainer.state.step, trainer.state.version, trainer.state.optimizer_steps) == (9, 9, 0)
     assert trainer.state.skipped_steps == {"stale": 1} and trainer.state.consumed == [1, 2]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A and B are in the checkpoint's pending work, so both are ready at once; the step on A
+    moves the version to 1, which makes the waiting B (version 0, max_staleness 0) stale. C is
+    flat (both episodes rewarded 1) and dropped; it counts a step's worth towards max_steps.
+    E is an evaluation group: never trained on, its mean reward logged under its version."""
+    waiting = [*group(1, "A", (1.0, 0.0), version=0), *group(3, "B", (0.0, 1.0), version=0)]
+    records = [
+        *group(5, "C", (1.0, 1.0), version=1),
+        *group(7, "eval/E", (0.25, 0.75), version=1),
+        *group(9, "D", (0.0, 1.0), version=1),
+    ]
+    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
+    config = TrainerConfig(
+        proxy_url="http://unused",
+        model=str(model_dir),
+        out_dir=tmp_path,
+        group_size=2,
+        groups_per_step=1,
+        max_steps=3,  # A, C dropped (a step's worth), D
+        lr=1e-3,
+        drop_flat_groups=True,
+        loss=LossConfig(max_staleness=0),
+    )
+    trainer = loop.Trainer(config)
+    trainer.state.pending = waiting
+    calls: list[int] = []
+    ppo_step = trainer.policy.ppo_step
+
+    def spy(*args, **kwargs):
+        calls.append(trainer.state.version)
+        return ppo_step(*args, **kwargs)
+
+    trainer.policy.ppo_step = spy
+
+    assert trainer.run() == {"step": 2, "version": 2, "cursor": 10}
+
+    state, _ = checkpoint.load(tmp_path / "checkpoint")
+    assert state.trained == [[1, 2], [9, 10]] and sorted(state.consumed) == [3, 4, 5, 6, 7, 8]
+    assert (state.dropped_stale_groups, state.dropped_flat_groups, state.skipped_steps) == (1, 1, {})
+    assert calls == [0, 1]  # the policy stepped on A and D only
+    last = read(tmp_path / "metrics.jsonl")[-1]
+    assert (last["dropped_stale_groups"], last["dropped_flat_groups"]) == (1, 1)
+    assert last["entropy"] > 0.0 and "kl_ref" not in last  # no reference without --kl-coef
+    assert last["eval_reward"] == {"1": 0.5} and state.evaluations == []
+
+
+def test_drop_flat_groups_needs_a_group_relative_estimator() -> None:
+    with pytest.raises(ValueError, match="group-relative"):
+        TrainerConfig(proxy_url="u", model="m", out_dir="o", drop_flat_groups=True, estimator="reinforce")

@@ -6,13 +6,14 @@ expected number below is plain arithmetic on the ratios.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch import Tensor
 
-from trainer.loss import LossConfig, count_loss_tokens, policy_loss
+from trainer.loss import LossConfig, count_loss_tokens, kl_estimate, loss_denominator, policy_loss
 
 BASE = -1.0
 # Symmetric clipping and no staleness bound, for the tests that are about something else.
@@ -125,6 +126,33 @@ def test_loss_gradient_raises_good_tokens_and_lowers_bad_ones() -> None:
     assert (after[1] < rollout[1]).all()  # A < 0: less likely
 
 
+def test_sequence_ratio_clips_each_sequence_as_one_gspo() -> None:
+    token_level = LossConfig(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean", max_staleness=None)
+    config = dataclasses.replace(token_level, ratio_level="sequence")
+    mask = ones(3, 2)
+    # pi / pi_old per token; s = geometric mean per sequence: 1, 2, 0.5
+    logprobs = logprobs_at([[2.0, 0.5], [4.0, 1.0], [0.25, 1.0]], grad=True)
+    loss, metrics = policy_loss(
+        logprobs, base(3, 2), adv(1.0, 1.0, -1.0), mask, versions(mask), 0, config, old_logprobs=base(3, 2)
+    )
+    # s=1, A=+1: -1 (token level would clip the 2 to 1.2: -(1.2 + 0.5) / 2)
+    # s=2, A=+1: min(2, 1.2) -> -1.2, clipped high as a whole; s=0.5, A=-1: min(-0.5, -0.8) -> +0.8
+    assert loss.item() == pytest.approx((-1 - 1.2 + 0.8) / 3)
+    loss.backward()
+    # only sequence 0 has a gradient: d(-s / 3) / d pi_t = -(s / 2) / 3 for each of its 2 tokens
+    expected = [[-1 / 6, -1 / 6], [0.0, 0.0], [0.0, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected, dtype=torch.float64))
+    assert metrics["clip_frac_high"] == pytest.approx(2 / 6)
+    assert metrics["clip_frac_low"] == pytest.approx(2 / 6)
+
+    advantages, old = adv(1.0, 1.0, -1.0), base(3, 2)
+    per_token, _ = policy_loss(
+        logprobs, base(3, 2), advantages, mask, versions(mask), 0, token_level, old_logprobs=old
+    )
+    # per token: (-(1.2 + 0.5) / 2 - (1.2 + 1) / 2 + (0.8 + 1) / 2) / 3
+    assert per_token.item() == pytest.approx((-1.7 / 2 - 2.2 / 2 + 1.8 / 2) / 3)
+
+
 # Train/rollout importance weights ------------------------------------------------------------
 
 
@@ -207,6 +235,58 @@ def test_approx_kl_is_the_k3_estimate_against_the_rollout() -> None:
     assert metrics["approx_kl"] == pytest.approx((1 - math.log(2)) / 2)
 
 
+def test_entropy_is_logged_and_its_bonus_subtracted_per_kept_token() -> None:
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    entropy = torch.tensor([[9.0, 1.0, 2.0], [9.0, 3.0, 9.0]], dtype=torch.float64, requires_grad=True)
+    args = (base(2, 3), base(2, 3), adv(1.0, -1.0), mask, versions(mask), 0)
+    loss, metrics = policy_loss(*args, PLAIN, entropy=entropy)
+    # no bonus: (-1 - 1 + 1) / 3; the entropy mean is over the 3 sampled tokens, not the 9s
+    assert loss.item() == pytest.approx(-1 / 3)
+    assert metrics["entropy"] == pytest.approx((1 + 2 + 3) / 3)
+    bonus, _ = policy_loss(*args, dataclasses.replace(PLAIN, entropy_coef=0.1), entropy=entropy)
+    assert bonus.item() == pytest.approx(-1 / 3 - 0.1 * (1 + 2 + 3) / 3)
+    bonus.backward()
+    expected = [[0.0, -0.1 / 3, -0.1 / 3], [0.0, -0.1 / 3, 0.0]]  # d(-0.1 * H_t / 3) / d H_t
+    assert torch.allclose(entropy.grad, torch.tensor(expected, dtype=torch.float64))
+
+
+# KL to the reference -------------------------------------------------------------------------
+
+LN2 = math.log(2)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    # x = log ref - log pi = +log 2 and -log 2
+    [("k1", [-LN2, LN2]), ("k2", [LN2**2 / 2, LN2**2 / 2]), ("k3", [2 - 1 - LN2, 0.5 - 1 + LN2])],
+)
+def test_kl_estimators(estimator: str, expected: list[float]) -> None:
+    ref = logprobs_at([[2.0, 0.5]])
+    assert kl_estimate(base(1, 2), ref, estimator)[0].tolist() == pytest.approx(expected)
+
+
+def test_kl_in_the_loss_adds_beta_k_per_kept_token_and_is_logged_either_way() -> None:
+    mask = torch.tensor([[0, 1, 1]])
+    ref = logprobs_at([[99.0, 2.0, 0.5]])  # the prompt token's 99 must not count
+    logprobs = base(1, 3).requires_grad_()
+    config = LossConfig(kl_coef=0.1, kl_estimator="k3", max_staleness=None)
+    loss, metrics = policy_loss(
+        logprobs, base(1, 3), adv(0.0), mask, versions(mask), 0, config, ref_logprobs=ref
+    )
+    k3 = [2 - 1 - LN2, 0.5 - 1 + LN2]  # 0.3069 and 0.1931: mean 0.25
+    assert loss.item() == pytest.approx(0.1 * sum(k3) / 2)
+    assert metrics["kl_ref"] == pytest.approx(sum(k3) / 2)
+    loss.backward()
+    # d k3 / d log pi = 1 - ref / pi: -1 and 0.5, times beta / N
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, -0.1 / 2, 0.05 / 2]], dtype=torch.float64))
+
+    in_reward = dataclasses.replace(config, kl_in="reward")
+    loss, metrics = policy_loss(
+        base(1, 3), base(1, 3), adv(0.0), mask, versions(mask), 0, in_reward, ref_logprobs=ref
+    )
+    assert loss.item() == 0.0 and metrics["kl_ref"] == pytest.approx(0.25)
+
+
 # Staleness --------------------------------------------------------------------------------
 
 
@@ -247,10 +327,10 @@ def test_micro_batches_divide_by_the_step_token_count() -> None:
     # micro-batch 1: one token with loss -1; micro-batch 2: three tokens with loss +1 each
     mask_1, mask_2 = torch.tensor([[1, 0, 0]]), ones(1, 3)
     part_1, _ = policy_loss(
-        base(1, 3), base(1, 3), adv(1.0), mask_1, versions(mask_1), 0, PLAIN, num_tokens_in_step=4
+        base(1, 3), base(1, 3), adv(1.0), mask_1, versions(mask_1), 0, PLAIN, denominator=4
     )
     part_2, _ = policy_loss(
-        base(1, 3), base(1, 3), adv(-1.0), mask_2, versions(mask_2), 0, PLAIN, num_tokens_in_step=4
+        base(1, 3), base(1, 3), adv(-1.0), mask_2, versions(mask_2), 0, PLAIN, denominator=4
     )
     # (-1 + 3) / 4, where averaging the two micro-batch means would give (-1 + 1) / 2 = 0
     assert (part_1 + part_2).item() == pytest.approx(0.5)
@@ -261,6 +341,8 @@ def test_micro_batches_divide_by_the_step_token_count() -> None:
     [
         LossConfig(max_staleness=1),
         LossConfig(is_mode="mask", is_level="sequence", is_low=0.8, is_high=1.25, max_staleness=1),
+        LossConfig(max_staleness=1, loss_agg="seq-mean-token-sum"),
+        LossConfig(max_staleness=1, loss_agg="seq-mean-token-mean"),
     ],
 )
 def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: LossConfig) -> None:
@@ -283,7 +365,7 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
             3,
             config,
             old_logprobs=old[rows],
-            num_tokens_in_step=num_tokens,
+            denominator=num_tokens,
         )
 
     whole, metrics = run(slice(0, 4), None)
@@ -291,8 +373,9 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
 
     parts = [slice(0, 1), slice(1, 4)]
-    step_tokens = sum(count_loss_tokens(mask[p], weight_versions[p], 3, config) for p in parts)
-    assert step_tokens == 1 + 3 + 0 + 4
+    step_tokens = sum(loss_denominator(mask[p], weight_versions[p], 3, config) for p in parts)
+    # kept tokens 1 + 3 + 0 + 4, or the 3 sequences with a kept token (the stale one is not)
+    assert step_tokens == (8 if config.loss_agg == "token-mean" else 3)
     summed = sum(run(p, step_tokens)[0] for p in parts)
     (summed_grad,) = torch.autograd.grad(summed, logprobs)
     assert summed.item() == pytest.approx(whole.item())
@@ -304,24 +387,58 @@ def test_micro_batch_losses_and_gradients_add_up_to_the_whole_batch(config: Loss
     assert naive.item() != pytest.approx(whole.item())
 
 
+# Loss aggregation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected_loss", "grads"),
+    [
+        # 4 kept tokens; terms -1, -1, -1 (A = 1) and +2 (A = -2), each over D = 4
+        ("token-mean", (-3 + 2) / 4, (-1 / 4, 2 / 4)),
+        # sums per sequence -3 and +2, over D = 2 sequences
+        ("seq-mean-token-sum", (-3 + 2) / 2, (-1 / 2, 2 / 2)),
+        # means per sequence -1 and +2, over D = 2: each token of seq 0 weighs 1/3
+        ("seq-mean-token-mean", (-1 + 2) / 2, (-1 / 6, 2 / 2)),
+    ],
+)
+def test_loss_aggregation_normalises_as_documented(
+    agg: str, expected_loss: float, grads: tuple[float, float]
+) -> None:
+    config = LossConfig(clip_low=0.2, clip_high=0.2, max_staleness=None, loss_agg=agg)  # type: ignore[arg-type]
+    mask = torch.tensor([[1, 1, 1], [0, 1, 0]])
+    logprobs = base(2, 3).requires_grad_()
+    loss, _ = policy_loss(logprobs, base(2, 3), adv(1.0, -2.0), mask, versions(mask), 0, config)
+    assert loss.item() == pytest.approx(expected_loss)
+    assert loss_denominator(mask, versions(mask), 0, config) == (4 if agg == "token-mean" else 2)
+    loss.backward()
+    seq_0, seq_1 = grads
+    expected = [[seq_0, seq_0, seq_0], [0.0, seq_1, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected, dtype=torch.float64))
+
+
 # Robustness and validation ----------------------------------------------------------------
 
 
-def test_padding_with_extreme_values_leaves_loss_and_gradient_finite() -> None:
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_padding_with_extreme_values_leaves_loss_and_gradient_finite(with_kl: bool) -> None:
     mask = torch.tensor([[1, 0], [1, 0]])
     logprobs = torch.tensor([[BASE, 1e4], [BASE, -math.inf]], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([[BASE, 0.0], [BASE, 0.0]], dtype=torch.float64)
-    loss, metrics = policy_loss(logprobs, rollout, adv(1.0, 1.0), mask, versions(mask), 0, PLAIN)
+    config = dataclasses.replace(PLAIN, kl_coef=0.1) if with_kl else PLAIN
+    ref = rollout if with_kl else None
+    loss, metrics = policy_loss(
+        logprobs, rollout, adv(1.0, 1.0), mask, versions(mask), 0, config, ref_logprobs=ref
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)
     assert torch.isfinite(logprobs.grad).all()
     assert all(math.isfinite(v) for v in metrics.values())
 
 
-def test_num_tokens_in_step_below_the_local_count_is_refused() -> None:
+def test_denominator_below_the_local_count_is_refused() -> None:
     mask = ones(1, 3)
-    with pytest.raises(ValueError, match="num_tokens_in_step"):
-        policy_loss(base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, num_tokens_in_step=2)
+    with pytest.raises(ValueError, match="denominator=2 is below"):
+        policy_loss(base(1, 3), base(1, 3), adv(1.0), mask, versions(mask), 0, PLAIN, denominator=2)
 
 
 def test_mismatched_shapes_are_refused() -> None:
@@ -342,6 +459,12 @@ def test_mismatched_shapes_are_refused() -> None:
         {"is_low": 1.5},
         {"is_high": 0.9},
         {"max_staleness": -1},
+        {"loss_agg": "sum"},
+        {"ratio_level": "batch"},
+        {"entropy_coef": -0.01},
+        {"kl_coef": -0.1},
+        {"kl_estimator": "k4"},
+        {"kl_in": "advantage"},
     ],
 )
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:

@@ -12,7 +12,14 @@ import torch
 from molt_proxy.types import Sampling, Turn
 from tests.trainer.builders import trajectory
 from trainer.batch import collate
-from trainer.sampling import OUTSIDE_SUPPORT, TokenSampling, kept_tokens, processed_logprobs, token_sampling
+from trainer.sampling import (
+    OUTSIDE_SUPPORT,
+    TokenSampling,
+    kept_tokens,
+    processed_logprobs,
+    processed_logprobs_and_entropy,
+    token_sampling,
+)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 """A distribution whose truncations are easy to do by hand."""
@@ -189,3 +196,33 @@ def test_split_carries_each_rows_sampling() -> None:
             i = int(part.attention_mask[row].sum()) - 3
             sampled = part.sampling.temperature[row, 2 : 3 + i]
             assert sampled.tolist() == pytest.approx([0.5 + i / 10] * (1 + i))
+
+
+def test_entropy_is_that_of_the_processed_distribution_each_token_was_drawn_from() -> None:
+    logits = torch.tensor([[PROBS, PROBS]], dtype=torch.float32).log().requires_grad_()
+    sampling = TokenSampling(
+        temperature=torch.tensor([[1.0, 1.0]]),
+        top_k=torch.tensor([[0, 2]]),  # the second position keeps 0.5 and 0.3: 0.625, 0.375
+        top_p=torch.tensor([[1.0, 1.0]]),
+        min_p=torch.tensor([[0.0, 0.0]]),
+        reproducible=torch.ones(1, 2, dtype=torch.bool),
+        constrained=torch.zeros(1, 2, dtype=torch.bool),
+    )
+    targets = torch.tensor([[0, 1]])
+    everywhere = torch.ones(1, 2, dtype=torch.bool)
+    logprobs, entropy = processed_logprobs_and_entropy(
+        logits, targets, sampling, everywhere, entropy_grad=True
+    )
+    whole = -sum(p * math.log(p) for p in PROBS)  # 1.1437
+    truncated = -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))  # 0.6616
+    assert entropy.tolist() == [[pytest.approx(whole, abs=1e-6), pytest.approx(truncated, abs=1e-6)]]
+    assert logprobs.tolist() == [[pytest.approx(math.log(0.5)), pytest.approx(math.log(0.375))]]
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 1, 2:].tolist() == [0.0, 0.0]  # dropped tokens get no gradient
+    _, logged = processed_logprobs_and_entropy(logits, targets, sampling, everywhere, entropy_grad=False)
+    assert not logged.requires_grad and torch.allclose(logged, entropy.detach())
+    for first, second in ((True, False), (False, True)):  # only at the positions asked for
+        positions = torch.tensor([[first, second]])
+        _, some = processed_logprobs_and_entropy(logits, targets, sampling, positions, entropy_grad=False)
+        assert torch.equal(some, torch.where(positions, logged, 0.0))
