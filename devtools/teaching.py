@@ -1,8 +1,10 @@
 """Teach a tiny model its script: fine-tune until temperature-1 sampling writes every reply.
 
 The model then *generates* those replies through vLLM like any other, token by token, with
-real logprobs; the taught weights are byte-identical from build to build (one CPU thread,
-fixed seed, fixed dates). Well under a minute on one CPU core.
+real logprobs; the taught weights are byte-identical from build to build on one machine (one
+CPU thread, fixed seed, fixed dates; Claude Code's prompt names the machine's OS). About a
+minute of one CPU core; twice that with Claude Code's episodes (`devtools.claude_code`), whose
+19k-token prompt is taught on the tail the tiny Qwen3 model's sliding window lets a reply see.
 """
 
 from __future__ import annotations
