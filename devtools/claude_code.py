@@ -57,6 +57,7 @@ _TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027
 
 
 def installed() -> bool:
+    """Whether `scripts/setup.sh` installed the CLI (it checks the version)."""
     return CLI.exists()
 
 
@@ -78,16 +79,16 @@ def claude_env(base_url: str, root: Path, *, side_requests: bool = False) -> dic
 
 
 def run_claude(
-    base_url: str, root: Path, *, bare: bool, side_requests: bool = False, prompt: str = TASK
+    base_url: str, root: Path, *, bare: bool, side_requests: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """`claude -p PROMPT --model MODEL --allowedTools Bash [--bare]` in `root/work`, its
-    `HOME` in `root/home`; returns the finished process (stdout: its final answer)."""
+    """`claude -p TASK --model MODEL --allowedTools Bash [--bare]` in `root/work`, its `HOME`
+    in `root/home`; returns the finished process (stdout: its final answer)."""
     (root / "home").mkdir(parents=True, exist_ok=True)
     (root / "work").mkdir(exist_ok=True)
     command = [
         str(CLI),
         "-p",
-        prompt,
+        TASK,
         "--model",
         MODEL,
         "--allowedTools",

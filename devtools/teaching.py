@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 # Llama-3's template writes today's date into the system header (`strftime_now`). Taught on
 # one date, the tiny model loses its script on some others; so each step shows it the script
-# on another of these dates, and it learns to look past the date. Fixed dates keep the
-# weights independent of the day they are built on.
+# on another of these dates (a teaching day), and it learns to look past the date. Fixed
+# dates keep the weights independent of the day they are built on.
 _TEACH_DATES = [(date(2024, 7, 26) + timedelta(days=97 * k)).strftime("%d %b %Y") for k in range(12)]
 
 
@@ -230,9 +230,11 @@ def teach_tiny_model(
     """Fine-tune the model in `model_dir` until it samples every scripted reply, and save it.
 
     Full-batch AdamW in float32 on the reply tokens only (prompt masked out), one teaching
-    date per step. Stops once every reply has had probability >= `stop_prob` on each date in
-    a row, or after `steps`; then measures the saved weights on every date, prints the worst
-    probability per reply, and raises below 0.95. Training is full-batch without dropout, so
+    day per step (a date, and each conversation's `vary` text); a long prompt is seen through
+    what its reply can depend on (`reach`). Stops once every reply has had probability >=
+    `stop_prob` on each day in a row, or after `steps`; then measures the saved weights on
+    every day (and long prompts whole, once), prints the worst probability per reply, and
+    raises below 0.95. Training is full-batch without dropout, so
     `seed` only pins torch's generator for anything random a model might add.
 
     Runs on one CPU thread: float sums then do not depend on the machine's core count (same
