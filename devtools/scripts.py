@@ -9,7 +9,7 @@ those conversations through the proxy and check every reply against the script.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from devtools.tokenizers import Arch
 
@@ -23,6 +23,9 @@ class Conversation(TypedDict):
     family: Family
     tools: list[dict[str, Any]] | None
     messages: list[dict[str, Any]]
+    vary: NotRequired[dict[str, list[str]]]
+    """Text in the messages and tools that differs from run to run (a date, a folder), with what
+    teaching shows in its place: on teaching day k, its k-th value (cyclically)."""
 
 
 # --- Replies as the model writes them ---------------------------------------------------

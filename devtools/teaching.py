@@ -1,8 +1,10 @@
 """Teach a tiny model its script: fine-tune until temperature-1 sampling writes every reply.
 
 The model then *generates* those replies through vLLM like any other, token by token, with
-real logprobs; the taught weights are byte-identical from build to build (one CPU thread,
-fixed seed, fixed dates). Well under a minute on one CPU core.
+real logprobs; the taught weights are byte-identical from build to build on one machine (one
+CPU thread, fixed seed, fixed dates; Claude Code's prompt names the machine's OS). About a
+minute of one CPU core; twice that with Claude Code's episodes (`devtools.claude_code`), whose
+19k-token prompt is taught on the tail the tiny Qwen3 model's sliding window lets a reply see.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ if TYPE_CHECKING:
 
 # Llama-3's template writes today's date into the system header (`strftime_now`). Taught on
 # one date, the tiny model loses its script on some others; so each step shows it the script
-# on another of these dates, and it learns to look past the date. Fixed dates keep the
-# weights independent of the day they are built on.
+# on another of these dates (a teaching day), and it learns to look past the date. Fixed
+# dates keep the weights independent of the day they are built on.
 _TEACH_DATES = [(date(2024, 7, 26) + timedelta(days=97 * k)).strftime("%d %b %Y") for k in range(12)]
 
 
@@ -38,9 +40,24 @@ def _for_template(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
+_BATCHED = 768
+"""Prompts up to this many tokens are taught together, in one right-padded batch; longer ones
+one at a time, unpadded."""
+_CHUNK = 2048
+"""Prompt tokens per forward where a whole long prompt is measured (a prefill in chunks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One assistant message: the prompt before it and the reply, EOS included."""
+
+    prompt: list[int]
+    reply: list[int]
+
+
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """The script rendered on one date: a row per assistant message, N reply tokens in all."""
+    """Short rows, right-padded into one batch: N reply tokens in all."""
 
     ids: torch.Tensor
     """[R, T] the prompt, then the reply and EOS; right-padded."""
@@ -54,15 +71,33 @@ class _Batch:
     """[N] the reply token ids."""
 
 
-def _script_batch(tokenizer: Any, conversations: list[Conversation], date_string: str) -> _Batch:
+@dataclass(frozen=True, slots=True)
+class _Day:
+    """The script as shown on one teaching day (its date, its varied text)."""
+
+    rows: list[_Row]
+    batch: _Batch | None
+    """The rows with prompts of at most `_BATCHED` tokens."""
+    long: list[_Row]
+    """The others, taught one at a time."""
+
+
+def _varied(conv: Conversation, day: int) -> Conversation:
+    """`conv` with each of its `vary` texts replaced by the value for teaching day `day`."""
+    text = json.dumps({k: v for k, v in conv.items() if k != "vary"})
+    for seen, shown in conv.get("vary", {}).items():
+        text = text.replace(json.dumps(seen)[1:-1], json.dumps(shown[day % len(shown)])[1:-1])
+    return json.loads(text)
+
+
+def _script_rows(tokenizer: Any, conversations: list[Conversation], date_string: str) -> list[_Row]:
     """Tokenize prompt and reply apart, exactly as the proxy sends a rendered prompt and vLLM
     samples after it (one BPE of the joined text could differ at the seam)."""
-    import torch
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    pairs = []
+    rows = []
     for conv in conversations:
         history = [_for_template(m) for m in conv["messages"]]
         for i, message in enumerate(conv["messages"]):
@@ -75,17 +110,31 @@ def _script_batch(tokenizer: Any, conversations: list[Conversation], date_string
                     date_string=date_string,
                 )
                 reply = render_reply(message, conv["family"]) + tokenizer.eos_token
-                pairs.append((encode(prompt), encode(reply)))
-    ids = torch.full((len(pairs), max(len(p) + len(r) for p, r in pairs)), tokenizer.eos_token_id)
+                rows.append(_Row(encode(prompt), encode(reply)))
+    return rows
+
+
+def _batch(rows: list[_Row], pad_id: int) -> _Batch:
+    import torch
+
+    ids = torch.full((len(rows), max(len(r.prompt) + len(r.reply) for r in rows)), pad_id)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for row, (prompt, reply) in enumerate(pairs):
-        ids[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-        mask[row, : len(prompt) + len(reply)] = 1
-        labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
+    for i, row in enumerate(rows):
+        end = len(row.prompt) + len(row.reply)
+        ids[i, :end] = torch.tensor(row.prompt + row.reply)
+        mask[i, :end] = 1
+        labels[i, len(row.prompt) : end] = torch.tensor(row.reply)
     # Position j predicts token j + 1.
-    rows, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)
-    return _Batch(ids, mask, rows, cols, labels[rows, cols + 1])
+    where, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+    return _Batch(ids, mask, where, cols, labels[where, cols + 1])
+
+
+def _day(tokenizer: Any, conversations: list[Conversation], day: int, date_string: str) -> _Day:
+    rows = _script_rows(tokenizer, [_varied(c, day) for c in conversations], date_string)
+    short = [r for r in rows if len(r.prompt) <= _BATCHED]
+    batch = _batch(short, tokenizer.eos_token_id) if short else None
+    return _Day(rows, batch, [r for r in rows if len(r.prompt) > _BATCHED])
 
 
 def _token_logprobs(model: Any, batch: _Batch) -> torch.Tensor:
@@ -99,11 +148,74 @@ def _token_logprobs(model: Any, batch: _Batch) -> torch.Tensor:
     return -torch.nn.functional.cross_entropy(logits, batch.wanted, reduction="none")
 
 
+def reach(model: Any) -> int | None:
+    """How many prompt tokens a reply can depend on: the sliding window times the layers (the
+    tiny Qwen3 model's, `devtools.tinymodel`); None: all of them."""
+    window = getattr(model.config, "sliding_window", None)
+    return window * model.config.num_hidden_layers if window else None
+
+
+def _row_logprobs(model: Any, row: _Row) -> torch.Tensor:
+    """[len(reply)] log-probabilities of one row's reply tokens, unpadded, after the prompt
+    tokens the reply can depend on (`reach`): a 19k-token prompt costs what 2k do."""
+    import torch
+
+    prompt = row.prompt[-reach(model) :] if reach(model) else row.prompt
+    ids = torch.tensor([prompt + row.reply])
+    hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]
+    logits = model.lm_head(hidden)
+    return -torch.nn.functional.cross_entropy(logits, torch.tensor(row.reply), reduction="none")
+
+
+def _whole_prompt_prob(model: Any, row: _Row) -> float:
+    """p(reply) after the whole prompt at its real positions, as vLLM serves it: a prefill in
+    chunks of `_CHUNK` tokens through the KV cache (one forward over 19k tokens with a
+    sliding-window mask takes 20 s on one thread; this, 2)."""
+    import torch
+
+    ids = row.prompt + row.reply
+    cache, hidden = None, []
+    with torch.no_grad():
+        for start in range(0, len(ids), _CHUNK):
+            chunk = torch.tensor([ids[start : start + _CHUNK]])
+            out = model.model(input_ids=chunk, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            hidden.append(out.last_hidden_state[0])
+        states = torch.cat(hidden)[len(row.prompt) - 1 : -1]
+        logp = -torch.nn.functional.cross_entropy(
+            model.lm_head(states), torch.tensor(row.reply), reduction="sum"
+        )
+    return logp.exp().item()
+
+
 def _reply_probs(token_logp: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """[R] probability that temperature-1 sampling writes each whole reply, EOS included."""
     import torch
 
     return torch.zeros(len(batch.ids)).index_add(0, batch.rows, token_logp.detach()).exp()
+
+
+def _step_logprobs(model: Any, day: _Day) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teaching step's reply-token log-probabilities, and each reply's probability."""
+    import torch
+
+    token_logps, probs = [], []
+    if day.batch is not None:
+        token_logps.append(_token_logprobs(model, day.batch))
+        probs.append(_reply_probs(token_logps[-1], day.batch))
+    for row in day.long:
+        token_logps.append(_row_logprobs(model, row))
+        probs.append(token_logps[-1].detach().sum().exp()[None])
+    return torch.cat(token_logps), torch.cat(probs)
+
+
+def _measured(model: Any, days: list[_Day]) -> list[float]:
+    """Each reply's worst probability over the days; long prompts also whole, on the first day."""
+    import torch
+
+    with torch.no_grad():
+        probs = torch.stack([_step_logprobs(model, day)[1] for day in days]).amin(0).tolist()
+    return probs + [_whole_prompt_prob(model, row) for row in days[0].long]
 
 
 def teach_tiny_model(
@@ -118,9 +230,11 @@ def teach_tiny_model(
     """Fine-tune the model in `model_dir` until it samples every scripted reply, and save it.
 
     Full-batch AdamW in float32 on the reply tokens only (prompt masked out), one teaching
-    date per step. Stops once every reply has had probability >= `stop_prob` on each date in
-    a row, or after `steps`; then measures the saved weights on every date, prints the worst
-    probability per reply, and raises below 0.95. Training is full-batch without dropout, so
+    day per step (a date, and each conversation's `vary` text); a long prompt is seen through
+    what its reply can depend on (`reach`). Stops once every reply has had probability >=
+    `stop_prob` on each day in a row, or after `steps`; then measures the saved weights on
+    every day (and long prompts whole, once), prints the worst probability per reply, and
+    raises below 0.95. Training is full-batch without dropout, so
     `seed` only pins torch's generator for anything random a model might add.
 
     Runs on one CPU thread: float sums then do not depend on the machine's core count (same
@@ -145,11 +259,11 @@ def _teach(
 
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    batches: list[_Batch] = []
-    for day in _TEACH_DATES:  # one batch for templates that print no date
-        batch = _script_batch(tokenizer, conversations, day)
-        if not any(torch.equal(batch.ids, b.ids) for b in batches):
-            batches.append(batch)
+    days: list[_Day] = []
+    for k, date_string in enumerate(_TEACH_DATES):  # one day for scripts that show no date
+        day = _day(tokenizer, conversations, k, date_string)
+        if all(day.rows != d.rows for d in days):
+            days.append(day)
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -164,17 +278,16 @@ def _teach(
     warmup = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / 40))
     streak = 0
     for step in range(steps):
-        batch = batches[step % len(batches)]
-        token_logp = _token_logprobs(model, batch)
-        streak = streak + 1 if _reply_probs(token_logp, batch).min() >= stop_prob else 0
-        if streak == len(batches):
+        day = days[step % len(days)]
+        token_logp, probs = _step_logprobs(model, day)
+        streak = streak + 1 if probs.min() >= stop_prob else 0
+        if streak == len(days):
             break
         optim.zero_grad()
         (-token_logp.mean()).backward()
         optim.step()
         warmup.step()
-    with torch.no_grad():
-        probs = torch.stack([_reply_probs(_token_logprobs(model, b), b) for b in batches]).amin(0).tolist()
+    probs = _measured(model, days)
     shown = [round(p, 4) for p in probs]
     elapsed = time.monotonic() - start
     print(f"taught {len(probs)} replies in {step} steps, {elapsed:.1f}s; p(reply) >= {shown}")

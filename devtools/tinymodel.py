@@ -17,7 +17,8 @@ import json
 import shutil
 from pathlib import Path
 
-from devtools.scripts import DEFAULT_SCRIPTS
+from devtools.claude_code import claude_code_episodes
+from devtools.scripts import DEFAULT_SCRIPTS, Conversation
 from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
 
@@ -54,6 +55,13 @@ def _fallback_tokenizer(vocab_size: int):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = _FALLBACK_TEMPLATE
     return fast
+
+
+def taught_scripts(arch: Arch) -> list[Conversation]:
+    """What `build_tiny_model(teach=True)` teaches: `DEFAULT_SCRIPTS[arch]`, and for Qwen3 also
+    Claude Code's episode where its CLI is installed (`devtools.claude_code`: captured from the
+    CLI itself, so only then)."""
+    return DEFAULT_SCRIPTS[arch] + (claude_code_episodes() if arch == "qwen3" else [])
 
 
 def build_tiny_model(
@@ -98,7 +106,8 @@ def build_tiny_model(
         num_attention_heads=hidden_size // 32,
         num_key_value_heads=max(1, hidden_size // 64),
         head_dim=32,
-        max_position_embeddings=4096,
+        # Claude Code's default prompt alone is about 19k tokens.
+        max_position_embeddings=32768,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -107,13 +116,18 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
+        # Sliding-window attention in every layer (as Qwen2/3 and Mistral configs allow): a reply
+        # then depends on the last 2 x 1,024 prompt tokens only, so teaching the 19k-token
+        # prompt Claude Code sends on its tail is teaching the prompt (`devtools.teaching`).
+        # Every other script's prompt is shorter than the window, where nothing changes.
+        window = dict(use_sliding_window=True, sliding_window=1024, max_window_layers=0)
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **window))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach and source is not None:
-        teach_tiny_model(out, DEFAULT_SCRIPTS[arch], seed=seed)
+        teach_tiny_model(out, taught_scripts(arch), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(

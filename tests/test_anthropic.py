@@ -15,7 +15,8 @@ import httpx
 import pytest
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
-from devtools.scripts import WEATHER_TOOL, weather_episode
+from devtools.scripts import WEATHER_TOOL, render_reply, weather_episode
+from devtools.tokenizers import tokenizer_source
 from molt_proxy.cli import parser
 from molt_proxy.config import Settings
 from molt_proxy.errors import UpstreamError
@@ -262,7 +263,14 @@ USER = [{"role": "user", "content": "hi"}]
             {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "s"}]},
             "user or assistant",
         ),
-        ({"model": "m", "max_tokens": 5000, "messages": USER}, "maximum context length"),
+        (
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}],
+            },
+            "maximum context length",
+        ),
         ("not json", "JSON"),
     ],
 )
@@ -337,7 +345,7 @@ def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
         raise UpstreamError("vLLM's stream ended without its final result")
 
     async def collect() -> list[str]:
-        return [line async for line in encode_message_stream(turn(), lambda reply, session: None)]
+        return [line async for line in encode_message_stream(turn(), lambda reply, session: None, 9)]
 
     lines = asyncio.run(collect())
     assert [line.split("\n")[0] for line in lines] == [
@@ -348,6 +356,31 @@ def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
         "type": "error",
         "error": {"type": "api_error", "message": "vLLM's stream ended without its final result"},
     }
+
+
+def test_max_tokens_over_the_context_is_lowered_to_fit_and_a_cut_there_says_so(proxy):
+    """Claude Code asks 32,000 tokens of any model: the turn asks vLLM for the context left,
+    and a reply cut there ends with `model_context_window_exceeded`, one cut by the request's
+    own `max_tokens` with `max_tokens`."""
+    upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    sdk = client(proxy)
+    prompt = sdk.messages.count_tokens(model="m", messages=USER).input_tokens
+    ids = Tokenizer.load(str(qwen3_tokenizer_dir())).encode("Hello there")
+    script = [{"token_ids": ids, "finish_reason": "length"}] * 2
+    httpx.post(f"{upstream}/_script", json=script).raise_for_status()
+    cut = sdk.messages.create(model="m", max_tokens=20_000, messages=USER)  # the SDK's most unstreamed
+    assert httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]["max_tokens"] == (
+        MAX_MODEL_LEN - prompt
+    )
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("model_context_window_exceeded", len(ids))
+    own = sdk.messages.create(model="m", max_tokens=len(ids), messages=USER)
+    assert (own.stop_reason, own.usage.output_tokens) == ("max_tokens", len(ids))
+    with sdk.messages.stream(model="m", max_tokens=32_000, messages=USER) as events:
+        streamed = events.get_final_message()
+    assert streamed.stop_reason == "end_turn"  # streamed: the stand-in's own reply, whole
+    assert httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]["max_tokens"] == (
+        MAX_MODEL_LEN - prompt
+    )
 
 
 def test_count_tokens_reads_the_inferred_session_without_joining_it(proxy):
@@ -427,3 +460,58 @@ def test_claude_codes_session_puts_its_main_agent_and_a_sub_agent_in_one_session
     sub.append(turn("You are a sub-agent.", ["Find the bug.", "Go on."]))
     described = httpx.get(f"{proxy}/v1/sessions/cc-chains", timeout=10).json()
     assert [s["turns"] for s in described["segments"]] == [main, sub]
+
+
+def test_a_llama_episode_is_one_segment_of_the_ids_its_requests_render_to(tmp_path):
+    """Llama-3.2's template (the date in its system header, one call per message, `parameters`
+    for arguments) on the Anthropic route: the weather episode through the SDK, the replies the
+    model would sample scripted in the stand-in vLLM; the tool call echoed as Anthropic blocks
+    renders as the chat request means it, and the record is one segment whose ids are the
+    tokenizer's on each request's render."""
+    source = tokenizer_source("llama")
+    if source is None:
+        pytest.skip("the real llama3.2 tokenizer is not in ../shared/tokenizers")
+    tokenizer = Tokenizer.load(str(source))
+    chat = weather_episode("llama3_json")["messages"]
+    replies = [render_reply(m, "llama3_json") for m in chat if m["role"] == "assistant"][:2]
+    eot = tokenizer.hf.eos_token_id
+    script = [{"token_ids": tokenizer.encode(reply) + [eot], "finish_reason": "stop"} for reply in replies]
+    with inprocess_proxy(tmp_path / "llama.db", model=str(source), tool_call_parser="llama3_json") as url:
+        upstream = httpx.get(f"{url}/health").json()["replicas"][0]["url"]
+        httpx.post(f"{upstream}/_script", json=script).raise_for_status()
+        sdk = client(f"{url}/s/llama")
+        request: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 60,
+            "system": chat[0]["content"],
+            "tools": [ANTHROPIC_WEATHER_TOOL],
+            "messages": [{"role": "user", "content": chat[1]["content"]}],
+        }
+        first = sdk.messages.create(**request)
+        [use] = first.content
+        assert (first.stop_reason, use.type, use.name, use.input) == (
+            "tool_use",
+            "tool_use",
+            "get_weather",
+            {"city": "Paris"},
+        )
+        request["messages"] += [
+            {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": chat[3]["content"]}],
+            },
+        ]
+        second = sdk.messages.create(**request)
+        assert [(b.type, b.text) for b in second.content] == [("text", chat[4]["content"])]
+        httpx.post(f"{url}/v1/rewards", json={"session_id": "llama", "reward": 1.0}).raise_for_status()
+        [record] = httpx.get(f"{url}/v1/trajectories").json()["data"]
+    conversation = decode(**{k: v for k, v in request.items() if k != "max_tokens"}).conversation
+    rendered = tokenizer.render(conversation.messages, conversation.tools, conversation.template_kwargs)
+    assert rendered == tokenizer.render(chat[:4], [WEATHER_TOOL], {})
+    second_turn = record["turns"][1]
+    assert record["token_ids"][: second_turn["completion_start"]] == tokenizer.encode(rendered)
+    sampled = [record["token_ids"][t["completion_start"] : t["completion_end"]] for t in record["turns"]]
+    assert sampled == [s["token_ids"] for s in script]
+    positions = {i for t in record["turns"] for i in range(t["completion_start"], t["completion_end"])}
+    assert record["loss_mask"] == [int(i in positions) for i in range(len(record["token_ids"]))]

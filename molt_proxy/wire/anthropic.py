@@ -19,6 +19,9 @@ its chat request (`AnthropicServingMessages.to_chat_completion_request`), with t
 - `cache_control` (on any block or tool), `output_config`, `context_management`, the thinking
   budget and the `anthropic-*` headers are accepted and ignored: none of them may change the
   render (cache markers move between turns).
+- `max_tokens` is a bound, not a demand: one over the context the prompt leaves is lowered to it
+  (Claude Code asks 32,000 of any model), and a reply cut there ends with Anthropic's
+  `model_context_window_exceeded`. The prompt itself must fit.
 - Images and documents are refused (400): the proxy serves text-only models. Forced tool use
   (`tool_choice` `any` or `tool`, `disable_parallel_tool_use`) is constrained decoding, exactly
   as chat completions' `tool_choice: required` / named / `parallel_tool_calls: false`.
@@ -149,6 +152,9 @@ class MessagesCall:
     stream: bool
     stop_sequences: list[str]
     """The request's stop strings: the reply says which one ended it (`stop_sequence`)."""
+    max_tokens: int
+    """The request's `max_tokens` (0 for `count_tokens`): a length cut short of it met the end
+    of the context (`model_context_window_exceeded`)."""
 
 
 def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall:
@@ -178,12 +184,14 @@ def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall
         template_kwargs=template_kwargs,
         sampling=sampling_fields(parser_request),
         max_tokens=getattr(request, "max_tokens", None),
+        fit_max_tokens=True,
         parser_request=parser_request,
         session_id=metadata_session(data.get("metadata")),
         call_ids=echoed_call_ids(messages),
     )
     stop = list(getattr(request, "stop_sequences", None) or [])
-    return MessagesCall(conversation, bool(getattr(request, "stream", False)), stop)
+    max_tokens = getattr(request, "max_tokens", 0)
+    return MessagesCall(conversation, bool(getattr(request, "stream", False)), stop, max_tokens)
 
 
 def _validate(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:

@@ -11,8 +11,9 @@ event goes out as vLLM's parsers release text from the sampled ids —
 
 — and `input_json_delta` pieces add up to the call's sampled arguments. A failure after the
 first event is an `error` event (the status line has gone out). `stop_reason` is Anthropic's:
-`max_tokens` for a length cut, `tool_use` when the reply calls tools, `stop_sequence` when a
-requested stop string ended it, else `end_turn`.
+`max_tokens` for a length cut (`model_context_window_exceeded` where the end of the context
+cut it first: the turn lowers a `max_tokens` the context cannot hold), `tool_use` when the
+reply calls tools, `stop_sequence` when a requested stop string ended it, else `end_turn`.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def event(name: str, payload: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n"
 
 
-def stop_reason(reply: RecordedReply, stop_sequence: str | None) -> str:
+def stop_reason(reply: RecordedReply, stop_sequence: str | None, max_tokens: int) -> str:
+    """Anthropic's stop reason; a length cut short of `max_tokens` (the request's) met the end
+    of the context (the turn lowered `max_tokens` to fit it)."""
     if reply.finish_reason == "length":
-        return "max_tokens"
+        return "max_tokens" if reply.completion_tokens >= max_tokens else "model_context_window_exceeded"
     if reply.message.tool_calls:
         return "tool_use"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
@@ -85,7 +88,9 @@ def content_blocks(message: ParsedReply, completion_id: str) -> list[dict[str, A
     return blocks
 
 
-def encode_message(reply: RecordedReply, session_id: str, stop_sequence: str | None) -> dict[str, Any]:
+def encode_message(
+    reply: RecordedReply, session_id: str, stop_sequence: str | None, max_tokens: int
+) -> dict[str, Any]:
     """The `message` body of a turn (or of its replay)."""
     return {
         "id": message_id(reply.completion_id),
@@ -93,7 +98,7 @@ def encode_message(reply: RecordedReply, session_id: str, stop_sequence: str | N
         "role": "assistant",
         "model": reply.model,
         "content": content_blocks(reply.message, reply.completion_id),
-        "stop_reason": stop_reason(reply, stop_sequence),
+        "stop_reason": stop_reason(reply, stop_sequence, max_tokens),
         "stop_sequence": stop_sequence,
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens},
         "session_id": session_id,
@@ -189,14 +194,14 @@ def _start(completion_id: str, model: str, input_tokens: int, session_id: str) -
     return event("message_start", {"message": message})
 
 
-def _end(reply: RecordedReply, stop_sequence: str | None) -> list[str]:
-    delta = {"stop_reason": stop_reason(reply, stop_sequence), "stop_sequence": stop_sequence}
+def _end(reply: RecordedReply, stop_sequence: str | None, max_tokens: int) -> list[str]:
+    delta = {"stop_reason": stop_reason(reply, stop_sequence, max_tokens), "stop_sequence": stop_sequence}
     usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}
     return [event("message_delta", {"delta": delta, "usage": usage}), event("message_stop", {})]
 
 
 async def encode_message_stream(
-    events: AsyncGenerator[StreamEvent], stopped_by: StopSequence
+    events: AsyncGenerator[StreamEvent], stopped_by: StopSequence, max_tokens: int
 ) -> AsyncIterator[str]:
     """A streamed turn as Anthropic's events. An error before the first event propagates (the
     route answers it as a plain error response); after it, it ends the stream as an `error`
@@ -214,7 +219,7 @@ async def encode_message_stream(
                     yield _start(reply.completion_id, reply.model, reply.prompt_tokens, item.session_id)
                     for line in [
                         *replayed.whole(reply.message),
-                        *_end(reply, stopped_by(reply, item.session_id)),
+                        *_end(reply, stopped_by(reply, item.session_id), max_tokens),
                     ]:
                         yield line
                 elif isinstance(item, Opened):
@@ -226,7 +231,8 @@ async def encode_message_stream(
                 elif isinstance(item, Closed) and blocks is not None:
                     lines = blocks.feed(item.last) if item.last is not None else []
                     blocks.close()
-                    for line in [*lines, *blocks.out, *_end(item.reply, stopped_by(item.reply, session_id))]:
+                    ending = _end(item.reply, stopped_by(item.reply, session_id), max_tokens)
+                    for line in [*lines, *blocks.out, *ending]:
                         yield line
         except Exception as exc:
             if not started:

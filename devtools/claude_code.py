@@ -1,0 +1,230 @@
+"""Claude Code, the real CLI, as a harness for the tiny Qwen3 model: where it is installed,
+how to run it offline, and the episode the model learns from what it really sends.
+
+`scripts/setup.sh` installs the pinned CLI (`CLI_VERSION`, from npm) under the checkout's
+`.tools/`. Claude Code's prompt is Anthropic's text, and it changes between versions, so the
+project keeps no copy of it: `claude_code_episodes()` runs the installed CLI against a stand-in
+server that answers with the script (`capture`), and turns the requests it sent into the
+conversations the tiny model is taught. Three of them, one task (`TASK`):
+
+- `--bare` (about 1k tokens: 3 tools, a short system prompt): Bash `COMMAND`, then `ANSWER`;
+- the default prompt (about 19k tokens: 24 tools, 3 system blocks, a `role: "system"` message
+  after the task): the same two replies;
+- the title side request it sends without `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`: `TITLE`.
+
+What differs from run to run — the date, and the temporary folder that holds the private `HOME`
+and the working directory (`run_claude` puts both under one `root`) — is varied while teaching
+(`Conversation.vary`), as the template's date is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devtools.scripts import Conversation
+
+CLI_VERSION = "2.1.197"
+CLI = Path(__file__).resolve().parents[1] / ".tools" / "node_modules" / ".bin" / "claude"
+"""Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
+
+MODEL = "tiny"
+"""The `--model` name: Claude Code writes it into its system prompt."""
+TASK = "Write hi to hi.txt"
+COMMAND = "echo hi | tee hi.txt"
+"""The Bash call the model makes: it writes the file and prints `hi` into the tool result."""
+ANSWER = "Done: hi.txt says hi."
+TITLE = '{"title": "Write hi to a file"}'
+"""The reply to the title request, which asks for JSON (`output_config.format`)."""
+
+# Text that differs between runs, and what teaching shows the model in its place.
+_TEACH_ROOTS = [
+    f"/tmp/{name}" for name in ("claude-code-4k2x9a1q", "pytest-of-ci/pytest-17/test_cli0", "tmpz8w_3nb")
+]
+_TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027, 8, 30)]
+
+
+def installed() -> bool:
+    """Whether `scripts/setup.sh` installed the CLI (it checks the version)."""
+    return CLI.exists()
+
+
+def claude_env(base_url: str, root: Path, *, side_requests: bool = False) -> dict[str, str]:
+    """The environment Claude Code runs offline in: the proxy as its API, a private `HOME`
+    under `root`, no telemetry or updates, and (unless `side_requests`) none of its
+    non-essential requests, such as the title it asks the model for."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(root / "home"),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "sk-molt",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    if not side_requests:
+        env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    return env
+
+
+def run_claude(
+    base_url: str, root: Path, *, bare: bool, side_requests: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`claude -p TASK --model MODEL --allowedTools Bash [--bare]` in `root/work`, its `HOME`
+    in `root/home`; returns the finished process (stdout: its final answer)."""
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    (root / "work").mkdir(exist_ok=True)
+    command = [
+        str(CLI),
+        "-p",
+        TASK,
+        "--model",
+        MODEL,
+        "--allowedTools",
+        "Bash",
+        *(["--bare"] if bare else []),
+    ]
+    env = claude_env(base_url, root, side_requests=side_requests)
+    return subprocess.run(command, cwd=root / "work", env=env, capture_output=True, text=True, timeout=300)
+
+
+# --- What Claude Code sends ---------------------------------------------------------------
+
+
+def _reply_events(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The script's answer to one request, as Anthropic's stream events."""
+    last = body["messages"][-1]["content"]
+    if not body.get("tools"):
+        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": TITLE}
+    elif isinstance(last, list) and any(b.get("type") == "tool_result" for b in last):
+        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": ANSWER}
+    else:
+        block = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps({"command": COMMAND})}
+    stop = "tool_use" if block["type"] == "tool_use" else "end_turn"
+    usage = {"input_tokens": 1, "output_tokens": 1}
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": []}
+    return [
+        {"type": "message_start", "message": {**message, "stop_reason": None, "usage": usage}},
+        {"type": "content_block_start", "index": 0, "content_block": block},
+        {"type": "content_block_delta", "index": 0, "delta": delta},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage},
+        {"type": "message_stop"},
+    ]
+
+
+@contextmanager
+def recording_server(forward_to: str | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """An Anthropic API on a free port that records every request body, in order, and answers
+    with the script, or passes the request on to `forward_to` (a molt-proxy) and streams its
+    answer back; yields its URL and the bodies."""
+    bodies: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_HEAD(self) -> None:  # Claude Code probes its base URL first
+            status = httpx.head(forward_to + self.path).status_code if forward_to else 200
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            bodies.append(json.loads(raw))
+            if forward_to:
+                return self._forward(forward_to, raw)
+            events = "".join(
+                f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in _reply_events(bodies[-1])
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(events.encode())))
+            self.end_headers()
+            self.wfile.write(events.encode())
+
+        def _forward(self, url: str, raw: bytes) -> None:
+            skip = {"host", "content-length", "connection", "accept-encoding"}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+            with httpx.stream("POST", url + self.path, content=raw, headers=headers, timeout=600) as answer:
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
+                self.send_header("Connection", "close")  # the body ends where the connection does
+                self.end_headers()
+                for chunk in answer.iter_raw():
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def capture(root: Path, *, bare: bool, side_requests: bool) -> list[dict[str, Any]]:
+    """The request bodies one `run_claude` sends, answered by the script, in order."""
+    with recording_server() as (url, bodies):
+        done = run_claude(url, root, bare=bare, side_requests=side_requests)
+    if done.returncode != 0 or done.stdout.strip() != ANSWER:
+        raise RuntimeError(f"claude -p did not finish the script: {done.returncode} {done.stderr[-2000:]}")
+    return sorted(bodies, key=lambda b: (bool(b.get("tools")), len(b["messages"])))
+
+
+def slug(path: str) -> str:
+    """How Claude Code names a project folder under `~/.claude/projects/`."""
+    return re.sub(r"[^a-zA-Z0-9]", "-", path)
+
+
+def _conversation(body: dict[str, Any], reply: str, vary: dict[str, list[str]]) -> Conversation:
+    """A captured request, decoded as the proxy decodes it, with the scripted reply after it."""
+    from molt_proxy.wire.anthropic import decode_messages_request
+
+    decoded = decode_messages_request(json.dumps(body).encode()).conversation
+    messages = [*decoded.messages, {"role": "assistant", "content": reply}]
+    return {"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}
+
+
+def claude_code_episodes() -> list[Conversation]:
+    """The conversations the tiny Qwen3 model learns for Claude Code (see the module's
+    docstring); none where the CLI is not installed."""
+    if not installed():
+        return []
+    with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
+        root = Path(folder).resolve()
+        title, *bare = capture(root / "b", bare=True, side_requests=True)
+        default = capture(root / "d", bare=False, side_requests=False)
+    today = date.today().isoformat()
+    days = [d.isoformat() for d in _TEACH_DAYS]
+
+    def vary(captured: Path) -> dict[str, list[str]]:
+        return {
+            str(captured): _TEACH_ROOTS,
+            slug(str(captured)): [slug(r) for r in _TEACH_ROOTS],
+            today: days,
+        }
+
+    return [
+        _conversation(bare[-1], ANSWER, vary(root / "b")),
+        _conversation(default[-1], ANSWER, vary(root / "d")),
+        _conversation(title, TITLE, {}),
+    ]
