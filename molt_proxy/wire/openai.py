@@ -14,7 +14,7 @@ roles, content where a role needs it, text-only content.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +58,7 @@ def decode_chat_request(body: bytes) -> ChatCall:
     top_logprobs = requested_logprobs(data)
     # vLLM's validator rewrites the dicts it is given (`reasoning_content` → `reasoning`),
     # and the chat template reads `reasoning_content`: it validates copies.
-    request = _validate({**data, "messages": [dict(m) for m in messages]})
+    request = chat_request({**data, "messages": [dict(m) for m in messages]})
     if request.n != 1:
         # n choices would be n diverging episodes behind one request, and the agent can
         # continue only one of them: sample N attempts as N sessions instead.
@@ -79,16 +79,18 @@ def decode_chat_request(body: bytes) -> ChatCall:
     return ChatCall(conversation, bool(request.stream), usage_chunk)
 
 
-def _validate(data: dict[str, Any]) -> ChatCompletionRequest:
+def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -> ChatCompletionRequest:
     """vLLM's own model. Its cross-field checks (`tool_choice` without `tools`, `top_logprobs`
     without `logprobs`, ...) raise `VLLMValidationError`, which pydantic does not wrap, and a
     few raise ValueError or TypeError: all are the request's fault. The message names the
-    field, never its value (a value may be a whole prompt)."""
+    field, never its value (a value may be a whole prompt); `names` maps a chat field to what
+    another wire format calls it (Responses' `max_output_tokens`)."""
     try:
         return ChatCompletionRequest.model_validate(data)
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
+        where = [str(part) for part in error["loc"]]
+        param = (names or {}).get(where[0] if where else "") or ".".join(where) or None
         raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
     except VLLMValidationError as exc:
         message = str(exc.args[0]) if exc.args else "invalid request"

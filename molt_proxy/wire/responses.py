@@ -23,15 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import pydantic
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.exceptions import VLLMValidationError
 from vllm.tool_parsers.utils import custom_tool_parameters, flat_namespace_tool_name
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
 from molt_proxy.wire.jsonbody import decode_json_object
-from molt_proxy.wire.openai import check_sampling, requested_max_tokens, sampling_fields
+from molt_proxy.wire.openai import chat_request, check_sampling, requested_max_tokens, sampling_fields
 from molt_proxy.wire.responses_items import input_messages
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
@@ -298,15 +296,5 @@ def _parser_request(
     }
     if data.get("parallel_tool_calls") is not None:
         fields["parallel_tool_calls"] = data["parallel_tool_calls"]
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        name = {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(str(error["loc"][0]))
-        param = name or ".".join(str(p) for p in error["loc"]) or None
-        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
-    except VLLMValidationError as exc:
-        message = str(exc.args[0]) if exc.args else "invalid request"
-        raise BadRequest(message[:300], param=exc.parameter) from None
-    except (ValueError, TypeError) as exc:
-        raise BadRequest(f"invalid request: {type(exc).__name__}") from None
+    renamed = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+    return chat_request({k: v for k, v in fields.items() if v is not None}, renamed)
