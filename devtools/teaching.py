@@ -40,7 +40,8 @@ def _for_template(message: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """The script rendered on one date: a row per assistant message, N reply tokens in all."""
+    """Part of the script rendered on one date: a row per assistant message, N reply tokens
+    in all."""
 
     ids: torch.Tensor
     """[R, T] the prompt, then the reply and EOS; right-padded."""
@@ -54,10 +55,11 @@ class _Batch:
     """[N] the reply token ids."""
 
 
-def _script_batch(tokenizer: Any, conversations: list[Conversation], date_string: str) -> _Batch:
+def _script_batches(tokenizer: Any, conversations: list[Conversation], date_string: str) -> list[_Batch]:
     """Tokenize prompt and reply apart, exactly as the proxy sends a rendered prompt and vLLM
-    samples after it (one BPE of the joined text could differ at the seam)."""
-    import torch
+    samples after it (one BPE of the joined text could differ at the seam). Rows of about the
+    same length (within a power of two) share a batch: padded to one agent's 1,000-token system
+    prompt, every short row would cost as much as the long one (attention is quadratic)."""
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -76,7 +78,17 @@ def _script_batch(tokenizer: Any, conversations: list[Conversation], date_string
                 )
                 reply = render_reply(message, conv["family"]) + tokenizer.eos_token
                 pairs.append((encode(prompt), encode(reply)))
-    ids = torch.full((len(pairs), max(len(p) + len(r) for p, r in pairs)), tokenizer.eos_token_id)
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for prompt, reply in pairs:
+        by_length.setdefault((len(prompt) + len(reply)).bit_length(), []).append((prompt, reply))
+    return [_batch(rows, tokenizer.eos_token_id) for _, rows in sorted(by_length.items())]
+
+
+def _batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> _Batch:
+    """(prompt, reply) pairs as one right-padded batch."""
+    import torch
+
+    ids = torch.full((len(pairs), max(len(p) + len(r) for p, r in pairs)), pad_id)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
     for row, (prompt, reply) in enumerate(pairs):
@@ -104,6 +116,22 @@ def _reply_probs(token_logp: torch.Tensor, batch: _Batch) -> torch.Tensor:
     import torch
 
     return torch.zeros(len(batch.ids)).index_add(0, batch.rows, token_logp.detach()).exp()
+
+
+def _score(model: Any, batches: list[_Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The script on one date: [N] its reply tokens' log-probabilities, [R] its replies'
+    probabilities."""
+    import torch
+
+    token_logps = [_token_logprobs(model, batch) for batch in batches]
+    probs = [_reply_probs(logp, batch) for logp, batch in zip(token_logps, batches, strict=True)]
+    return torch.cat(token_logps), torch.cat(probs)
+
+
+def _same(a: list[_Batch], b: list[_Batch]) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x.ids, y.ids) for x, y in zip(a, b, strict=True))
 
 
 def teach_tiny_model(
@@ -145,11 +173,11 @@ def _teach(
 
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    batches: list[_Batch] = []
-    for day in _TEACH_DATES:  # one batch for templates that print no date
-        batch = _script_batch(tokenizer, conversations, day)
-        if not any(torch.equal(batch.ids, b.ids) for b in batches):
-            batches.append(batch)
+    scripts: list[list[_Batch]] = []
+    for day in _TEACH_DATES:  # one rendering for templates that print no date
+        batches = _script_batches(tokenizer, conversations, day)
+        if not any(_same(batches, s) for s in scripts):
+            scripts.append(batches)
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -164,17 +192,16 @@ def _teach(
     warmup = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / 40))
     streak = 0
     for step in range(steps):
-        batch = batches[step % len(batches)]
-        token_logp = _token_logprobs(model, batch)
-        streak = streak + 1 if _reply_probs(token_logp, batch).min() >= stop_prob else 0
-        if streak == len(batches):
+        token_logp, reply_probs = _score(model, scripts[step % len(scripts)])
+        streak = streak + 1 if reply_probs.min() >= stop_prob else 0
+        if streak == len(scripts):
             break
         optim.zero_grad()
         (-token_logp.mean()).backward()
         optim.step()
         warmup.step()
     with torch.no_grad():
-        probs = torch.stack([_reply_probs(_token_logprobs(model, b), b) for b in batches]).amin(0).tolist()
+        probs = torch.stack([_score(model, batches)[1] for batches in scripts]).amin(0).tolist()
     shown = [round(p, 4) for p in probs]
     elapsed = time.monotonic() - start
     print(f"taught {len(probs)} replies in {step} steps, {elapsed:.1f}s; p(reply) >= {shown}")
