@@ -3,7 +3,7 @@ Qwen3 model also learns, so that each library plays one short episode on it.
 
 Each is the library's request at the version pinned in pyproject.toml's dev extras, copied
 verbatim (a real model needs none of this; the tiny one knows only the prompts it was taught).
-`tests/test_integrations.py` checks every recorded prompt against these, so a library that
+`tests/test_agent_libraries.py` checks every recorded prompt against these, so a library that
 changes what it sends fails there, on the prompt, not on a reply.
 
 - pydantic-ai (`Agent(model, output_type=Forecast)` with the weather tool): its output tool
