@@ -57,9 +57,7 @@ def _assert_taught(
     (what the library sent), its reply the scripted one; the ids, mask and logprobs hold."""
     tokenizer = Tokenizer.load(str(model_dir))
     ids, turns, messages = trajectory["token_ids"], trajectory["turns"], script["messages"]
-    taught = [
-        i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= script.get("teach_from", 0)
-    ]
+    taught = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert [t["constrained"] for t in turns] == [constrained] * len(taught)
     assert ids[: turns[0]["completion_start"]] == tokenizer.encode(
         tokenizer.render(messages[: taught[0]], script["tools"], {})
