@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, NotRequired, TypedDict
 
+from devtools.library_scripts import library_scripts
 from devtools.tokenizers import Arch
 
 Family = Literal["hermes", "llama3_json"]
@@ -147,6 +148,8 @@ DEFAULT_SCRIPTS: dict[Arch, list[Conversation]] = {
         weather_episode("hermes"),
         thinking_episode(),
         {**weather_episode("hermes"), "tools": [AGENTS_SDK_WEATHER_TOOL]},
+        # pydantic-ai's structured output, smolagents and DSPy: devtools/library_scripts.py.
+        *library_scripts(WEATHER_TOOL),
     ],
     "llama": [weather_episode("llama3_json")],
 }

@@ -137,15 +137,26 @@ def _day(tokenizer: Any, conversations: list[Conversation], day: int, date_strin
     return _Day(rows, batch, [r for r in rows if len(r.prompt) > _BATCHED])
 
 
+_HEAD_ROWS = 32
+"""Reply tokens per LM-head call while teaching. The logits of all reply tokens at once are
+hundreds of megabytes (a 151k vocabulary), allocated anew at every step: measured on the Qwen3
+script (408 reply tokens), 32-token chunks took a step from 1.45 to 1.18 s, system time (page
+faults) from 0.54 to 0.19 s."""
+
+
 def _token_logprobs(model: Any, batch: _Batch) -> torch.Tensor:
     """[N] log-probabilities of the reply tokens, full-vocabulary softmax at temperature 1."""
     import torch
 
     hidden = model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
     # The LM head only where it is trained: vocab-wide logits at every prompt position
-    # would cost more than the whole rest of the model.
-    logits = model.lm_head(hidden[batch.rows, batch.cols])
-    return -torch.nn.functional.cross_entropy(logits, batch.wanted, reduction="none")
+    # would cost more than the whole rest of the model. In chunks of `_HEAD_ROWS` tokens.
+    chunks = zip(
+        hidden[batch.rows, batch.cols].split(_HEAD_ROWS), batch.wanted.split(_HEAD_ROWS), strict=True
+    )
+    return torch.cat(
+        [-torch.nn.functional.cross_entropy(model.lm_head(h), w, reduction="none") for h, w in chunks]
+    )
 
 
 def reach(model: Any) -> int | None:

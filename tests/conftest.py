@@ -169,6 +169,7 @@ SLOW_FIRST = (
     "test_supervision.py",
     "trainer/test_end_to_end.py",
     "test_integrations.py",
+    "test_agent_libraries.py",
     "trainer/test_live_vllm.py",
     "test_exactness.py",
     "test_replicas_vllm.py",
