@@ -68,6 +68,16 @@ def render_reply(message: dict[str, Any], family: Family) -> str:
     return _call_json(calls[0], "parameters") if calls else content.strip()
 
 
+def as_echoed(message: dict[str, Any], family: Family) -> dict[str, Any]:
+    """A scripted message as an agent sends it back in its history: an assistant message as
+    vLLM's `family` parsers return `render_reply(message)`. After a Qwen3 `<think>` block the
+    content keeps the two newlines that end the block, and the template prints content as given
+    when the reasoning comes apart, so the next turn is taught after those very bytes."""
+    if family == "hermes" and message.get("reasoning_content") and message.get("content"):
+        return {**message, "content": "\n\n" + message["content"]}
+    return message
+
+
 # --- Scripts ----------------------------------------------------------------------------
 
 WEATHER_TOOL: dict[str, Any] = {

@@ -16,7 +16,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from devtools.scripts import Conversation, render_reply
+from devtools.scripts import Conversation, as_echoed, render_reply
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ def _script_rows(tokenizer: Any, conversations: list[Conversation], date_string:
 
     rows = []
     for conv in conversations:
-        history = [_for_template(m) for m in conv["messages"]]
+        history = [_for_template(as_echoed(m, conv["family"])) for m in conv["messages"]]
         for i, message in enumerate(conv["messages"]):
             if message["role"] == "assistant":
                 prompt = tokenizer.apply_chat_template(

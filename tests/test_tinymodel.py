@@ -17,6 +17,7 @@ from devtools import (
     DEFAULT_SCRIPTS,
     Arch,
     Conversation,
+    as_echoed,
     render_reply,
     thinking_episode,
     tokenizer_source,
@@ -181,7 +182,7 @@ def test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it(req
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     for conv in DEFAULT_SCRIPTS[arch]:
         for i, message in _assistant_turns(conv):
-            history = [_with_dict_arguments(m) for m in conv["messages"][:i]]
+            history = [_with_dict_arguments(as_echoed(m, conv["family"])) for m in conv["messages"][:i]]
             prompt = tokenizer.apply_chat_template(
                 history, tools=conv["tools"], add_generation_prompt=True, tokenize=False
             )
