@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from devtools import thinking_episode, weather_episode
+from devtools import AGENTS_SDK_WEATHER_TOOL, thinking_episode, weather_episode
 from molt_proxy.tokenizer import Tokenizer
 from tests.conftest import AppProxy, app_proxy
 from tests.helpers import assert_exact, play, trajectories
@@ -86,23 +86,16 @@ def test_qwen3_think_stripping_opens_a_segment_and_both_are_exact(qwen3_model, q
 
 
 def test_interleaved_sub_agent_is_a_second_exact_segment(qwen3_model, qwen3_hermes):
-    """A parent and a sub-agent with a system prompt of its own, sending their turns at the
-    same time in one session: one chain each, sampled concurrently, continued over its own
-    sampled ids, both exact."""
+    """A parent and a sub-agent whose requests render apart (the weather script, and the same
+    script with the tool in the Agents SDK's spelling), sending their turns at the same time
+    in one session: one chain each, sampled concurrently, continued over its own sampled ids,
+    both exact. Both are taught, so each reply is the script's and each echo continues."""
     client = OpenAI(base_url=qwen3_hermes.base_url("interleaved"), api_key="unused")
-
-    def agent(system: str) -> list[str]:
-        history: list[Any] = [{"role": "system", "content": system}]
-        replies = []
-        for step in range(2):
-            history.append({"role": "user", "content": f"Step {step}: go on."})
-            reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, seed=step)
-            history.append({"role": "assistant", "content": reply.choices[0].message.content})
-            replies.append(reply.id)
-        return replies
-
+    parent = weather_episode("hermes")
+    sub = {**weather_episode("hermes"), "tools": [AGENTS_SDK_WEATHER_TOOL]}
     with ThreadPoolExecutor(2) as pool:
-        chains = list(pool.map(agent, ["You plan trips.", "You are a sub-agent that finds flights."]))
+        runs = list(pool.map(lambda conversation: play(client, conversation, replies=2), [parent, sub]))
+    chains = [[reply.id for reply in run.replies] for run in runs]
     segments = httpx.get(f"{qwen3_hermes.url}/v1/sessions/interleaved").json()["segments"]
     assert sorted(s["turns"] for s in segments) == sorted(chains)
     body = {"session_id": "interleaved", "reward": 0.5}

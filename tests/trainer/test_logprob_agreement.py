@@ -58,6 +58,6 @@ def test_fresh_policy_logprobs_match_the_recorded_rollout_logprobs(qwen3_model, 
         torch.testing.assert_close(logprobs[row, : len(alone)], alone, rtol=0, atol=1e-5)
     # And that forward is vLLM's at every sampled token (measured: max 6e-6, mean 2e-7).
     sampled = batch.loss_mask.bool()
-    assert int(sampled.sum()) > 100
+    assert int(sampled.sum()) > 50  # the taught replies and the free ones: enough to compare
     error = (logprobs - batch.rollout_logprobs).abs()[sampled]
     assert float(error.max()) <= 1e-4, f"max |policy - vLLM| = {float(error.max()):.2e}"
