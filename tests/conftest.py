@@ -160,26 +160,30 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 # The files that boot vLLM servers, teach models or train, slowest first (measured with
-# `--durations`): with `--dist loadfile --no-loadscope-reorder` the two workers take files in
-# this order (the first two files, then the next two, then one at a time as each is done), so
-# the quick in-process files fill the gaps at the end and both workers finish together. The
-# first two do not wait on each other: one builds the taught Qwen3 model, the other runs the
-# README example on its own model.
+# `--durations`), so the quick in-process files fill the gaps at the end and both workers
+# finish together. With `--dist loadfile --no-loadscope-reorder` the workers take files in this
+# order: each starts with one, and takes the next whenever at most two of its tests are left
+# to run. One worker spends its first minutes teaching the Qwen3 model most files need
+# (`test_supervision.py`'s fourth test asks first), so the other's first files must not need
+# it: the README example (one test, so that worker takes the third file at once), the live
+# trainer on the same small model, then the Llama model's build and server (the fifth, taken
+# when one live-trainer test is done). The fourth goes to the teaching worker.
 SLOW_FIRST = (
     "test_supervision.py",
     "trainer/test_end_to_end.py",
-    "test_integrations.py",
-    "test_agent_libraries.py",
     "trainer/test_live_vllm.py",
+    "test_integrations.py",
+    "test_llama_vllm.py",
+    "trainer/test_workers.py",
+    "trainer/test_policy.py",
+    "test_agent_libraries.py",
     "test_exactness.py",
     "test_replicas_vllm.py",
-    "trainer/test_workers.py",
     "test_fuzz.py",
     "test_zero_config.py",
     "trainer/test_sampling_agreement.py",
     "test_durability.py",
     "test_tinymodel.py",
-    "trainer/test_policy.py",
     "test_echo.py",
     "test_streaming.py",
     "test_constrained.py",

@@ -35,7 +35,7 @@ def _render_first_request(model_dir, conversation) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) -> None:
+def episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) -> None:
     client = OpenAI(base_url=proxy.base_url(session), api_key="unused")
     replies = play(client, conversation).replies
     assert len(replies) == 5
@@ -59,12 +59,7 @@ def _episode_is_one_exact_segment(proxy, model_dir, conversation, session: str) 
 
 
 def test_qwen3_five_turn_tool_episode_is_one_exact_segment(qwen3_model, qwen3_hermes):
-    _episode_is_one_exact_segment(qwen3_hermes, qwen3_model, weather_episode("hermes"), "weather-qwen3")
-
-
-def test_llama_five_turn_tool_episode_is_one_exact_segment(llama_model, llama_vllm, start_proxy):
-    proxy = start_proxy(llama_model, llama_vllm, "--tool-call-parser", "llama3_json")
-    _episode_is_one_exact_segment(proxy, llama_model, weather_episode("llama3_json"), "weather-llama")
+    episode_is_one_exact_segment(qwen3_hermes, qwen3_model, weather_episode("hermes"), "weather-qwen3")
 
 
 def test_qwen3_think_stripping_opens_a_segment_and_both_are_exact(qwen3_model, qwen3_vllm, start_proxy):
