@@ -214,6 +214,7 @@ class VLLMServer(ServerProcess):
         self.port = port or free_port()
         env = {
             "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # the adapter routes, where --enable-lora
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         }
         if on_cpu():

@@ -1,6 +1,7 @@
 """The trainer's side of a live vLLM, one server for the whole file: a weight refresh under load
 (16 agents keep running while vLLM gets new weights 3 times), a bad weights folder refused before
-vLLM is touched, and a trainer killed mid-run that resumes without training twice or skipping."""
+vLLM is touched, and a trainer following two proxies, killed mid-run, that resumes without
+training twice or skipping."""
 
 from __future__ import annotations
 
@@ -175,17 +176,19 @@ def test_refresh_refuses_a_bad_weights_folder_before_touching_vllm(digits_model,
             ).id
 
 
-def _agents(proxy_url: str, stop_file: Path) -> subprocess.Popen:
-    """Episodes in groups of 4, each rewarded by the share of digits (a separate process)."""
+def _agents(proxy_urls: list[str], stop_file: Path) -> subprocess.Popen:
+    """Episodes in groups of 4, each rewarded by the share of digits (a separate process);
+    episodes take turns over the proxies, so each group has sessions on every one."""
     code = f"""
 import itertools, sys, httpx
 from pathlib import Path
 from openai import OpenAI
 from devtools import digit_share
-http = httpx.Client(base_url={proxy_url!r}, timeout=120)
+proxies = [httpx.Client(base_url=url, timeout=120) for url in {proxy_urls!r}]
 for episode in itertools.count():
     if Path({str(stop_file)!r}).exists():
         break
+    http = proxies[episode % len(proxies)]
     s = http.post("/v1/sessions", json={{"group_id": f"g{{episode // 4}}"}}).json()
     r = OpenAI(base_url=s["base_url"], api_key="x").chat.completions.create(
         model="m", messages=[{{"role": "user", "content": "Write a number."}}], max_tokens=8)
@@ -195,11 +198,12 @@ for episode in itertools.count():
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
 
-def _trainer(proxy_url: str, model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
+def _trainer(proxy_urls: list[str], model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
     """A trainer in its own session (killed as a whole); its output goes to `log`, and with
     the fault handler on, SIGABRT makes it print where every thread is."""
     command = [
-        sys.executable, "-m", "trainer", "--proxy-url", proxy_url, "--model", str(model),
+        sys.executable, "-m", "trainer", *(f for url in proxy_urls for f in ("--proxy-url", url)),
+        "--model", str(model),
         "--train-out", str(out), "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1",
         "--lr", "1e-3",
     ]  # fmt: skip
@@ -238,16 +242,19 @@ def _steps_done(folder: Path) -> int:
     return 0 if loaded is None else loaded[0].step + sum(loaded[0].skipped_steps.values())
 
 
-def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
+def test_trainer_following_two_proxies_killed_mid_run_resumes_without_training_twice_or_skipping(
     digits_model, digits_vllm, start_proxy, tmp_path
 ):
-    proxy = start_proxy(digits_model, digits_vllm)
+    """Two proxies (each its own SQLite store) in front of one vLLM; every group has sessions
+    on both. Each proxy's seqs are its own: the trainer keeps a cursor per proxy."""
+    proxies = [start_proxy(digits_model, digits_vllm), start_proxy(digits_model, digits_vllm)]
+    urls = [proxy.url for proxy in proxies]
     stop_file = tmp_path / "stop"
-    agents = _agents(proxy.url, stop_file)
+    agents = _agents(urls, stop_file)
     out = tmp_path / "train"
     try:
         first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-        first = _trainer(proxy.url, digits_model, out, steps=6, log=first_log)
+        first = _trainer(urls, digits_model, out, steps=6, log=first_log)
         deadline = time.monotonic() + 600
         # Steps taken or skipped (a skipped step, e.g. a group of equal rewards, writes no
         # metrics line but is checkpointed).
@@ -260,7 +267,7 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         deadline = time.monotonic() + 60
         while _session_alive(first.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        second = _trainer(proxy.url, digits_model, out, steps=6, log=second_log)
+        second = _trainer(urls, digits_model, out, steps=6, log=second_log)
         try:
             assert _wait_or_dump(second, second_log, timeout_s=420) == 0, second_log.read_text()[-8000:]
         finally:
@@ -271,10 +278,19 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         agents.wait(timeout=120)
     state, _ = checkpoint.load(out / "checkpoint")
     assert state.step + sum(state.skipped_steps.values()) == 6  # taken or skipped
-    trained = [seq for step in state.trained for seq in step]
+    trained = [trajectory_id for step in state.trained for trajectory_id in step]
     assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
-    taken = set(trained) | set(state.consumed) | {t.seq for t in state.pending}
-    finalized = {t["seq"] for t in trajectories(proxy.url) if t["seq"] <= state.cursor}
-    assert taken == finalized, "every trajectory up to the cursor is trained on, let go or still pending"
+    taken = set(trained) | set(state.consumed) | {t.trajectory_id for t in state.pending}
+    finalized = [
+        {t["trajectory_id"] for t in trajectories(url) if t["seq"] <= cursor}
+        for url, cursor in zip(urls, state.cursors, strict=True)
+    ]
+    assert not finalized[0] & finalized[1] and all(finalized), finalized
+    assert taken == finalized[0] | finalized[1], (
+        "every trajectory up to each cursor is trained on, let go or pending"
+    )
+    assert set(trained) & finalized[0] and set(trained) & finalized[1], (
+        "both proxies' episodes are trained on"
+    )
     # The restarted trainer pushed its resumed version back to vLLM before going on.
     assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == str(state.version)
