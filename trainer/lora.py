@@ -130,8 +130,9 @@ class LoraPolicy(Policy):
         tmp.rename(out)
 
     def state_dict(self) -> dict[str, Any]:
-        """{"adapter", "optimizer"}: the adapter's tensors (copies) and AdamW's state (None
-        before the first step); the frozen base is the model folder, never checkpointed."""
+        """{"adapter", "optimizer"}: the adapter's tensors and AdamW's state (None before the
+        first step; its tensors the live ones, as `Policy.state_dict`'s: save them before the
+        next step); the frozen base is the model folder, never checkpointed."""
         adapter = {key: p.detach().clone() for key, p in self.adapter_parameters().items()}
         return {
             "adapter": adapter,
