@@ -16,6 +16,9 @@ failure, or a body that is not JSON, is `UpstreamError` (502). vLLM's own 5xx an
 `UpstreamError` too, a 503 `UpstreamUnavailable`; its 4xx answers (a sampling field it
 rejects) are `BadRequest` with vLLM's message, since they are the caller's input.
 
+With a LoRA name (`lora.py`), a weights push loads an adapter instead, each request names the
+newest adapter loaded, and its tokens carry that adapter's version.
+
 It does not route: `replicas.py` decides which `Upstream` serves a request.
 """
 
@@ -34,10 +37,10 @@ from molt_proxy import lora
 from molt_proxy.errors import BadRequest, MoltError, UpstreamError, UpstreamUnavailable
 from molt_proxy.types import Generation
 
-# vLLM labels the weights it booted with "default"; later versions are set by the proxy as
-# integers (`/update_weight_version`), so "default" is version 0.
 log = logging.getLogger(__name__)
 
+# vLLM labels the weights it booted with "default"; later versions are set by the proxy as
+# integers (`/update_weight_version`), so "default" is version 0.
 _INITIAL_VERSION = "default"
 _GENERATE = "/inference/v1/generate"
 

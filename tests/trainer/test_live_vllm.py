@@ -1,7 +1,7 @@
 """The trainer's side of a live vLLM, one server for the whole file: a weight refresh under load
 (16 agents keep running while vLLM gets new weights 3 times), a bad weights folder refused before
-vLLM is touched, and a trainer following two proxies, killed mid-run, that resumes without
-training twice or skipping."""
+vLLM is touched, a trainer following two proxies, killed mid-run, that resumes without
+training twice or skipping, and two LoRA trainers' proxies sharing the server (multi-LoRA)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from openai import OpenAI
 from safetensors.torch import load_file, save_file
@@ -24,6 +25,8 @@ from molt_proxy.config import Settings
 from tests.helpers import reply_as_message, trajectories
 from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
 from trainer import checkpoint
+from trainer.lora import LoraPolicy
+from trainer.policy import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -294,3 +297,80 @@ def test_trainer_following_two_proxies_killed_mid_run_resumes_without_training_t
     )
     # The restarted trainer pushed its resumed version back to vLLM before going on.
     assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == str(state.version)
+
+
+def test_two_lora_trainers_share_one_vllm_each_sampling_its_own_adapter_at_exact_versions(
+    digits_model, digits_vllm, start_proxy, tmp_path
+):
+    """Two proxies with their own `--lora-name` in front of one vLLM (multi-LoRA), each given
+    adapters as its trainer writes them: every turn samples from its own proxy's newest
+    adapter, its tokens carry that adapter's version, and its recorded logprobs are the
+    trainer's under that adapter. A push keeps the adapter before it loaded and unloads older
+    ones."""
+    base = start_proxy(digits_model, digits_vllm)
+    # The shared server may hold another test's weights: the adapters apply to the base.
+    reset = httpx.post(
+        f"{base.url}/v1/admin/weights", json={"path": str(digits_model), "version": 0}, timeout=120
+    )
+    assert reset.status_code == 200, reset.text
+    proxies = {name: start_proxy(digits_model, digits_vllm, "--lora-name", name) for name in ("alice", "bob")}
+
+    def push(name: str, version: int) -> LoraPolicy:
+        policy = LoraPolicy(digits_model, rank=4, alpha=8.0)
+        generator = torch.Generator().manual_seed(10 * version + len(name))
+        with torch.no_grad():
+            for key, parameter in policy.adapter_parameters().items():
+                if "lora_B" in key:  # as training moves B away from 0
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        folder = tmp_path / name / f"v{version}"
+        policy.save_weights(folder)
+        response = httpx.post(
+            f"{proxies[name].url}/v1/admin/weights",
+            json={"path": str(folder), "version": version},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        return policy
+
+    def turn(name: str, session: str) -> tuple[list[int], list[float], list[int], torch.Tensor]:
+        """A turn through `name`'s proxy: (all ids, sampled logprobs, sampled versions, mask)."""
+        client = OpenAI(base_url=proxies[name].base_url(session), api_key="x", max_retries=0)
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Write a number."}],
+            max_tokens=8,
+            temperature=1.0,
+        )
+        httpx.post(f"{proxies[name].url}/v1/rewards", json={"session_id": session, "reward": 1.0})
+        [record] = [r for r in trajectories(proxies[name].url) if r["session_id"] == session]
+        mask = torch.tensor(record["loss_mask"], dtype=torch.bool)
+        sampled = [v for v, m in zip(record["weight_versions"], record["loss_mask"], strict=True) if m]
+        return record["token_ids"], torch.tensor(record["logprobs"])[mask].tolist(), sampled, mask
+
+    def trainer_logprobs(policy: LoraPolicy, ids: list[int], mask: torch.Tensor) -> list[float]:
+        full = torch.tensor([ids])
+        with torch.no_grad():
+            return token_logprobs(policy.model, full, torch.ones_like(full))[0][mask].tolist()
+
+    policies = {"alice": push("alice", 1), "bob": push("bob", 1)}
+    for name, other in (("alice", "bob"), ("bob", "alice")):
+        ids, recorded, versions, mask = turn(name, f"{name}-1")
+        assert versions == [1] * len(recorded) and recorded
+        assert recorded == pytest.approx(trainer_logprobs(policies[name], ids, mask), abs=1e-4)
+        theirs = trainer_logprobs(policies[other], ids, mask)
+        assert max(abs(a - b) for a, b in zip(recorded, theirs, strict=True)) > 0.05, (
+            "sampled by its own adapter"
+        )
+
+    push("alice", 2)
+    policies["alice"] = push("alice", 3)
+    served = {m["id"] for m in httpx.get(f"{digits_vllm.url}/v1/models").json()["data"]}
+    assert {"alice-v2", "alice-v3", "bob-v1"} <= served and "alice-v1" not in served
+    ids, recorded, versions, mask = turn("alice", "alice-3")
+    assert versions == [3] * len(recorded)
+    assert recorded == pytest.approx(trainer_logprobs(policies["alice"], ids, mask), abs=1e-4)
+    versions_by_proxy = {
+        name: [r["weight_version"] for r in httpx.get(f"{proxy.url}/health").json()["replicas"]]
+        for name, proxy in proxies.items()
+    }
+    assert versions_by_proxy == {"alice": [3], "bob": [1]}
