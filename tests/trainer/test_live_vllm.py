@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from molt_proxy.config import Settings
 from tests.helpers import reply_as_message, trajectories
 from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
-from trainer import checkpoint
+from trainer import checkpoint, loop
+from trainer.config import TrainerConfig
 from trainer.lora import LoraPolicy
 from trainer.policy import token_logprobs
 
@@ -315,13 +316,26 @@ def test_two_lora_trainers_share_one_vllm_each_sampling_its_own_adapter_at_exact
     assert reset.status_code == 200, reset.text
     proxies = {name: start_proxy(digits_model, digits_vllm, "--lora-name", name) for name in ("alice", "bob")}
 
+    # Alice's trainer pushes through its own refresh (`Trainer._refresh`), bob's by hand.
+    alice = loop.Trainer(
+        TrainerConfig(
+            proxy_url=proxies["alice"].url, model=str(digits_model), out_dir=tmp_path / "alice", lora_rank=4,
+            lora_alpha=8.0,
+        )
+    )  # fmt: skip
+
     def push(name: str, version: int) -> LoraPolicy:
-        policy = LoraPolicy(digits_model, rank=4, alpha=8.0)
+        policy = alice.policy if name == "alice" else LoraPolicy(digits_model, rank=4, alpha=8.0)
         generator = torch.Generator().manual_seed(10 * version + len(name))
         with torch.no_grad():
             for key, parameter in policy.adapter_parameters().items():
                 if "lora_B" in key:  # as training moves B away from 0
                     parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        if name == "alice":
+            alice.state.version = version
+            alice._refresh()
+            assert alice.replicas_behind == 0
+            return policy
         folder = tmp_path / name / f"v{version}"
         policy.save_weights(folder)
         response = httpx.post(
@@ -364,6 +378,8 @@ def test_two_lora_trainers_share_one_vllm_each_sampling_its_own_adapter_at_exact
 
     push("alice", 2)
     policies["alice"] = push("alice", 3)
+    # The trainer keeps the newest two adapters on disk (vLLM may reload an evicted one from there).
+    assert sorted(p.name for p in (tmp_path / "alice" / "weights").iterdir()) == ["v2", "v3"]
     served = {m["id"] for m in httpx.get(f"{digits_vllm.url}/v1/models").json()["data"]}
     assert {"alice-v2", "alice-v3", "bob-v1"} <= served and "alice-v1" not in served
     ids, recorded, versions, mask = turn("alice", "alice-3")
