@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from molt_proxy import lora
 from molt_proxy.cli import launched_vllm_args, lora_name, parser, settings_from_args
 from molt_proxy.config import Settings
+from molt_proxy.launcher import VLLMServer
 from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
 from tests.trainer.builders import trajectory
 from trainer.batch import Batch, collate
@@ -139,6 +141,9 @@ def test_lora_flags_reach_the_trainer_the_proxy_and_the_vllm_it_launches() -> No
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--max-loras", "4"
     ]  # fmt: skip
     assert launched_vllm_args([], None, None, 12) == []
+    # The adapter routes are on only where LoRA is (vLLM warns they are for development).
+    assert VLLMServer("m", extra_args=lora.vllm_args(8)).env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in VLLMServer("m").env
     with pytest.raises(ValueError, match="up to 512, not 600"):
         launched_vllm_args([], None, "lora", 600)
     with pytest.raises(SystemExit, match="--lora-name needs --lora-rank"):
