@@ -42,7 +42,17 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         session_ttl_s=args.session_ttl,
         sampling=args.sampling,
         side_requests=list(args.side_request),
+        lora_name=lora_name(args),
     )
+
+
+def lora_name(args: argparse.Namespace) -> str | None:
+    """`--lora-name`; `serve --train --lora-rank` without one serves its adapter as "lora"."""
+    if args.lora_name is None and args.train and args.lora_rank is not None:
+        return "lora"
+    if args.train and args.lora_name is not None and args.lora_rank is None:
+        raise SystemExit("--train with --lora-name needs --lora-rank: the trainer must push adapters")
+    return args.lora_name
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -74,7 +84,9 @@ def _serve(args: argparse.Namespace) -> int:
                         args.model,
                         port=port,
                         max_model_len=args.max_model_len,
-                        extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
+                        extra_args=launched_vllm_args(
+                            args.vllm_arg or [], settings.reasoning_parser, settings.lora_name, args.lora_rank
+                        ),
                         log_path=log,
                     ).spawn()
                 )
@@ -144,14 +156,20 @@ def _sampling_pins(spec: str) -> dict[str, float | int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def launched_vllm_args(extra: list[str], reasoning_parser: str | None) -> list[str]:
+def launched_vllm_args(
+    extra: list[str], reasoning_parser: str | None, lora_name: str | None = None, lora_rank: int | None = None
+) -> list[str]:
     """`--vllm-arg`s, and the proxy's `--reasoning-parser` for the vLLM it launches: with it,
     vLLM applies a structured-outputs grammar only once the model's reasoning has ended, as
     its chat route does; without it the grammar starts at the first token, and a thinking
-    model's constrained reply is read as reasoning."""
+    model's constrained reply is read as reasoning. With `--lora-name`, LoRA on
+    (`lora.vllm_args`), before the `--vllm-arg`s so that those win."""
+    from molt_proxy.lora import vllm_args
+
+    args = [*(vllm_args(lora_rank) if lora_name else []), *extra]
     if reasoning_parser is None or any(arg.startswith("--reasoning-parser") for arg in extra):
-        return extra
-    return [*extra, "--reasoning-parser", reasoning_parser]
+        return args
+    return [*args, "--reasoning-parser", reasoning_parser]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -257,6 +275,15 @@ def parser() -> argparse.ArgumentParser:
         help="a request without tools whose system prompt matches one of these is a side request:"
         " served and recorded, kept out of the trainer's stream (default: Claude Code's title"
         " request; with no value: none)",
+    )
+    serve.add_argument(
+        "--lora-name",
+        default=default(Settings, "lora_name"),
+        metavar="NAME",
+        help="sample every turn from the trainer's newest LoRA adapter NAME, and take weight pushes as"
+        " adapters (vLLM: --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; a vLLM launched here gets"
+        " them); several proxies with their own names may share one vLLM (default: with --train"
+        " --lora-rank, 'lora'; else full weights)",
     )
     serve.add_argument(
         "--log-format",

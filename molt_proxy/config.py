@@ -47,6 +47,9 @@ class Settings:
     upstream_timeout_s: float = 600.0
     session_ttl_s: float = 3600.0
     """A session with no turn for this long is closed unrewarded."""
+    lora_name: str | None = None
+    """Sample every turn from the trainer's newest LoRA adapter of this name, and take weight
+    pushes as adapters (`molt_proxy.lora`; `--lora-name`). None: full weights."""
     side_requests: list[str] = field(default_factory=lambda: list(DEFAULT_SIDE_REQUESTS))
     """Regular expressions: a request without tools whose system prompt matches one is a side
     request, served but kept out of training (`molt_proxy.side`; `--side-request`, repeatable;
@@ -78,6 +81,8 @@ class Settings:
             raise ValueError("an API key must not be empty")
         if self.agent_keys and self.admin_key is None:
             raise ValueError("agent keys need an admin key: without one every route is open")
+        if self.lora_name == "":
+            raise ValueError("a LoRA name must not be empty")
         check_pins(self.sampling)
         check_rules(self.side_requests)
         self.db_path = Path(self.db_path)

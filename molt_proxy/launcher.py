@@ -216,6 +216,8 @@ class VLLMServer(ServerProcess):
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         }
+        if "--enable-lora" in (extra_args or []):
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the adapter routes (`molt_proxy/lora.py`)
         if on_cpu():
             # The model runs in the engine process instead of a worker process of its own:
             # one interpreter fewer to boot (about 12 s on 2 cores), and no worker that vLLM's

@@ -17,6 +17,7 @@ from molt_proxy import auth
 from molt_proxy.completions import Completions
 from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, Conflict, NotFound
+from molt_proxy.lora import check_adapter_dir
 from molt_proxy.parsing import ReplyParser
 from molt_proxy.replicas import Replicas, Supervision
 from molt_proxy.sessions import Sessions
@@ -39,7 +40,10 @@ class Proxy:
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
         self.replicas = Replicas(
-            [Upstream(url, timeout_s=settings.upstream_timeout_s) for url in settings.upstreams],
+            [
+                Upstream(url, timeout_s=settings.upstream_timeout_s, lora_name=settings.lora_name)
+                for url in settings.upstreams
+            ],
             health_interval_s=settings.health_interval_s,
             health_timeout_s=settings.health_timeout_s,
             supervisors=supervisors,  # the vLLM servers `serve` launched: the watcher relaunches them
@@ -84,11 +88,15 @@ class Proxy:
         if weights is None:
             return None
         try:
-            check_weights_dir(weights[0])
+            self.check_weights(weights[0])
         except BadRequest:
             log.warning("the last weights loaded (%s, version %d) are gone; not reloading them", *weights)
             return None
         return weights
+
+    def check_weights(self, path: str) -> str:
+        """The pushed folder, checked as what this proxy loads: an adapter or a whole model."""
+        return check_adapter_dir(path) if self.settings.lora_name else check_weights_dir(path)
 
     async def models(self) -> list[dict[str, Any]]:
         """`GET /v1/models`: vLLM's list, or the model under each `--served-model-name`, as

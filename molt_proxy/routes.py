@@ -26,7 +26,7 @@ from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import request_hash, unknown_session
 from molt_proxy.side import is_side, side_caller, side_info, side_rule, then
 from molt_proxy.types import RecordedReply, SessionStatus
-from molt_proxy.weights import check_version, check_weights_dir
+from molt_proxy.weights import check_version
 from molt_proxy.wire.anthropic import (
     COUNT_SCHEMA,
     MESSAGES_SCHEMA,
@@ -343,12 +343,13 @@ async def _follow(proxy: Proxy, after: int, limit: int) -> AsyncIterator[str]:
 
 @router.post("/v1/admin/weights", openapi_extra=request_body(WEIGHTS_SCHEMA))
 async def refresh_weights(request: Request) -> dict[str, Any]:
-    """Load the trainer's new weights into every replica and label them `version`."""
+    """Load the trainer's new weights (with `--lora-name`, its new adapter) into every
+    replica and label them `version`."""
     proxy = _proxy(request)
     proxy.principal(request, auth.ADMIN_ONLY)
     weights_dir, version = decode_weights_body(await request.body())
     # Everything is checked before any replica is paused (`weights.py` has the rules).
-    folder = await asyncio.to_thread(check_weights_dir, weights_dir)
+    folder = await asyncio.to_thread(proxy.check_weights, weights_dir)
     started = time.monotonic()
     async with proxy.refresh_lock:
         checked = check_version(version, folder, await proxy.store.last_weights())

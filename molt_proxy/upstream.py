@@ -16,12 +16,16 @@ failure, or a body that is not JSON, is `UpstreamError` (502). vLLM's own 5xx an
 `UpstreamError` too, a 503 `UpstreamUnavailable`; its 4xx answers (a sampling field it
 rejects) are `BadRequest` with vLLM's message, since they are the caller's input.
 
+With a LoRA name (`lora.py`), a weights push loads an adapter instead, each request names the
+newest adapter loaded, and its tokens carry that adapter's version.
+
 It does not route: `replicas.py` decides which `Upstream` serves a request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -29,8 +33,11 @@ from typing import Any, Self
 
 import aiohttp
 
-from molt_proxy.errors import BadRequest, UpstreamError, UpstreamUnavailable
+from molt_proxy import lora
+from molt_proxy.errors import BadRequest, MoltError, UpstreamError, UpstreamUnavailable
 from molt_proxy.types import Generation
+
+log = logging.getLogger(__name__)
 
 # vLLM labels the weights it booted with "default"; later versions are set by the proxy as
 # integers (`/update_weight_version`), so "default" is version 0.
@@ -161,13 +168,24 @@ class Upstream:
     first use and kept. Use it as `async with Upstream(url) as upstream:`; the HTTP client
     lives from enter to exit."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, session: SessionFactory | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        session: SessionFactory | None = None,
+        lora_name: str | None = None,
+    ):
         """`timeout_s` bounds each request of the default client; `session` replaces that
-        client (it is then the factory's to set timeouts)."""
+        client (it is then the factory's to set timeouts). `lora_name`: sample from that LoRA
+        adapter's newest version once one is pushed (`lora.py`)."""
         self.base_url = base_url.rstrip("/")
         self._new_session = session or production_session(timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._model: ModelInfo | None = None
+        self.lora_name = lora_name
+        self._adapters: list[tuple[str, int]] = []
+        """(vLLM name, version) of the adapters loaded, oldest first; requests go to the last."""
 
     async def __aenter__(self) -> Self:
         self._session = self._new_session()
@@ -207,7 +225,11 @@ class Upstream:
             "sampling_params": top_asked(sampling),
             "return_token_ids": return_prompt_ids,
         }
-        return parse_generation(await self._request("POST", _GENERATE, body), sampling.get("logprobs") or 0)
+        adapter = self._adapter(body)
+        generation = parse_generation(
+            await self._request("POST", _GENERATE, body), sampling.get("logprobs") or 0
+        )
+        return _labelled(generation, adapter)
 
     async def stream(
         self, prompt_ids: list[int], sampling: dict[str, Any]
@@ -220,6 +242,7 @@ class Upstream:
         went away, so it is `UpstreamUnavailable`.
         """
         body = {"token_ids": prompt_ids, "sampling_params": top_asked(sampling), "stream": True}
+        adapter = self._adapter(body)
         k = sampling.get("logprobs") or 0
         ids: list[int] = []
         logprobs: list[float] = []
@@ -241,8 +264,11 @@ class Upstream:
                         yield TokenDelta(delta_ids, delta_logprobs, delta_top)
         if finish_reason is None:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} ended the stream before it finished")
-        yield Generation(
-            ids, logprobs, parse_versions(spans, len(ids)), finish_reason, top_logprobs=top if k else None
+        yield _labelled(
+            Generation(
+                ids, logprobs, parse_versions(spans, len(ids)), finish_reason, top_logprobs=top if k else None
+            ),
+            adapter,
         )
 
     async def models(self) -> list[dict[str, Any]]:
@@ -255,12 +281,15 @@ class Upstream:
         return self._model
 
     async def refresh_weights(self, weights_dir: str, version: int) -> None:
-        """Load new weights without failing a request (DESIGN §5).
+        """Load new weights without failing a request (DESIGN §5); with `lora_name`, a new
+        adapter (`load_adapter`).
 
         `pause?mode=keep` freezes in-flight requests instead of failing them and clears the
         prefix cache (stale KV would give wrong tokens); they continue on `resume` with the
         new weights, and vLLM labels each later token with the new version.
         """
+        if self.lora_name is not None:
+            return await self.load_adapter(weights_dir, version)
         await self._request("POST", "/pause?mode=keep")
         try:
             await self._request(
@@ -272,6 +301,38 @@ class Upstream:
         finally:
             await self._request("POST", "/resume")
 
+    async def load_adapter(self, adapter_dir: str, version: int) -> None:
+        """Load version `version` of the adapter under its own name and send the next requests
+        to it; then unload all but the newest `lora.KEPT` (`lora.py` says why this keeps
+        every token's version exact without pausing vLLM). Loading the same version again (a
+        trainer restarting, a relaunched vLLM) reloads it in place."""
+        name = lora.adapter_name(self.lora_name or "", version)
+        body = {"lora_name": name, "lora_path": adapter_dir, "load_inplace": True}
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", body)
+        except UpstreamUnavailable:
+            raise
+        except UpstreamError as exc:  # 404: no such route (LoRA off), or a folder it cannot see
+            raise UpstreamError(
+                f"vLLM at {self.base_url} did not load LoRA adapter {name} from {adapter_dir} "
+                f"({exc.message}): it must run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
+                "and see that folder"
+            ) from exc
+        self._adapters = [a for a in self._adapters if a[0] != name] + [(name, version)]
+        old, self._adapters = self._adapters[: -lora.KEPT], self._adapters[-lora.KEPT :]
+        for stale, _ in old:
+            try:
+                await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": stale})
+            except MoltError as exc:  # gone already (vLLM restarted): nothing to free
+                log.info("unloading LoRA adapter %s from %s: %s", stale, self.base_url, exc)
+
+    def _adapter(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """The adapter this request samples from (named in `body`), or None: the base weights."""
+        if not self._adapters:
+            return None
+        body["model"] = self._adapters[-1][0]
+        return self._adapters[-1]
+
     async def healthy(self) -> bool:
         """Whether `/health` answers 2xx; any upstream failure is a no, not an exception."""
         try:
@@ -279,6 +340,14 @@ class Upstream:
         except UpstreamError:
             return False
         return True
+
+
+def _labelled(generation: Generation, adapter: tuple[str, int] | None) -> Generation:
+    """Every token sampled under an adapter carries the adapter's version: vLLM's own label
+    is the engine's, which LoRA refreshes leave at its boot weights."""
+    if adapter is not None:
+        generation.weight_versions = [adapter[1]] * len(generation.token_ids)
+    return generation
 
 
 @contextmanager

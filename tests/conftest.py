@@ -20,6 +20,7 @@ import pytest
 from filelock import FileLock
 
 from devtools import Arch, build_tiny_model, tokenizer_source
+from molt_proxy import lora
 from molt_proxy.auth import load_keys
 from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.launcher import ProxyServer, VLLMServer
@@ -152,8 +153,13 @@ def digits_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """With LoRA on (adapters of rank up to 8), which leaves base-model requests and
+    `reload_weights` as they were: the trainer's LoRA tests share this server."""
     server = VLLMServer(
-        str(digits_model), max_model_len=256, log_path=tmp_path_factory.mktemp("vllm-digits") / "vllm.log"
+        str(digits_model),
+        max_model_len=256,
+        extra_args=lora.vllm_args(8),
+        log_path=tmp_path_factory.mktemp("vllm-digits") / "vllm.log",
     )
     with server:
         yield server

@@ -1,9 +1,10 @@
 """Checkpoint and resume: model, optimizer, stream cursor, weight version, buffered work.
 
-Exactly once across restarts: the cursor is the seq of the last trajectory the trainer took
-from the stream, and everything it took but has not trained on yet (the group buffer) is
-saved with it (as the stream's JSON, read back as `Trajectory`). The seqs each step trained on,
-and those consumed without a step, are kept too, so a run can prove it.
+Exactly once across restarts: for each proxy the trainer follows, its cursor is the seq of
+the last trajectory the trainer took from that proxy's stream, and everything it took but has
+not trained on yet (the group buffer) is saved with them (as the stream's JSON, read back as
+`Trajectory`). The trajectory ids each step trained on, and those consumed without a step,
+are kept too, so a run can prove it.
 A checkpoint is written to a temporary folder and renamed into place: a crash leaves the
 previous one whole.
 """
@@ -30,14 +31,16 @@ class TrainerState:
     optimizer_steps: int = 0
     """Optimizer steps taken: ppo_epochs x mini_batches per trainer step, less any whose
     gradient was zero."""
-    cursor: int = 0
+    cursors: list[int] = field(default_factory=list)
+    """Per followed proxy, in `--proxy-url` order: the seq of the last trajectory taken from it."""
     pending: list[Trajectory] = field(default_factory=list)
     """Taken from the stream, not yet trained on (the group buffer), in seq order."""
-    trained: list[list[int]] = field(default_factory=list)
-    """[steps] the seqs each step trained on."""
-    consumed: list[int] = field(default_factory=list)
-    """Seqs taken and let go without a step: dropped groups, the trajectories of skipped
-    steps, and evaluation episodes."""
+    trained: list[list[str]] = field(default_factory=list)
+    """[steps] the trajectory ids each step trained on (seqs in checkpoints older than
+    several proxies: seqs are per proxy, ids are not)."""
+    consumed: list[str] = field(default_factory=list)
+    """Trajectory ids taken and let go without a step: dropped groups, the trajectories of
+    skipped steps, and evaluation episodes."""
     skipped_steps: dict[str, int] = field(default_factory=dict)
     """Steps skipped (no optimizer step, no version) by reason (`loop.py`): zero_advantage,
     untrainable, stale, masked."""
@@ -56,10 +59,25 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
-        """Older checkpoints lack newer counters: they start at their defaults."""
+        """Older checkpoints lack newer counters: they start at their defaults. One from
+        before several proxies has a single `cursor`: the first proxy's."""
+        data = dict(data)
+        if "cursor" in data:
+            data["cursors"] = [data.pop("cursor")]
         evaluations = [(int(v), float(r)) for v, r in data.get("evaluations", [])]
         pending = [Trajectory.from_json(t) for t in data["pending"]]
         return cls(**{**data, "pending": pending, "evaluations": evaluations})
+
+    def follow(self, proxies: int) -> None:
+        """Fit the cursors to the `proxies` followed now: one appended at the end is new and
+        is read from its start; one fewer would drop a cursor (and with it, where that
+        proxy's stream was left), so it is refused."""
+        if proxies < len(self.cursors):
+            raise ValueError(
+                f"the checkpoint follows {len(self.cursors)} proxies and this run {proxies}: "
+                "give every --proxy-url it followed, in the same order (new ones at the end)"
+            )
+        self.cursors += [0] * (proxies - len(self.cursors))
 
 
 def save(folder: Path, state: TrainerState, policy_state: dict[str, Any]) -> None:

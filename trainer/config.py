@@ -18,6 +18,8 @@ KlEstimator = Literal["k1", "k2", "k3"]
 KlIn = Literal["loss", "reward"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 ConstrainedTurns = Literal["train", "skip"]
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a decoder layer (attention and MLP), as QLoRA found best."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,10 @@ class TrainerConfig:
     out_dir: Path
     """Checkpoints, weights pushed to vLLM, metrics.jsonl and reward_curve.png."""
     admin_key: str | None = None
+    more_proxy_urls: list[str] = field(default_factory=list)
+    """Further proxies to learn from and refresh alike (`--proxy-url`, repeatable): N proxies
+    behind a session-affine balancer, one cursor each in the checkpoint. Keep their order
+    across restarts; add new ones at the end."""
     tensorboard: Path | None = None
     """Also write every metrics.jsonl field as TensorBoard scalars into this folder (None: don't)."""
     group_size: int = 8
@@ -138,6 +144,13 @@ class TrainerConfig:
     """Push new weights to vLLM after every this many steps."""
     num_workers: int = 1
     """>1: data-parallel FSDP2 workers as Ray actors."""
+    lora_rank: int | None = None
+    """Train a LoRA adapter of this rank instead of the full weights (`trainer/lora.py`), and
+    push adapters (megabytes): the proxies must serve one (`--lora-name`). None: full weights."""
+    lora_alpha: float = 16.0
+    """The adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS
+    """The linear layers (by their own name, as PEFT's `target_modules`) that get an adapter."""
     ray_address: str | None = None
     seed: int = 0
     train_greedy: bool = False
@@ -151,6 +164,10 @@ class TrainerConfig:
     grammar. skip (the default) leaves them out of the loss and counts them
     (`constrained_tokens`); train trains them like any token, against the unmasked pi, so a
     forced token's importance weight pi/mu is the mass the grammar allowed (at most 1)."""
+
+    @property
+    def proxy_urls(self) -> list[str]:
+        return [self.proxy_url, *self.more_proxy_urls]
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -176,10 +193,22 @@ class TrainerConfig:
             raise ValueError(
                 f"drop_flat_groups needs a group-relative estimator: {self.estimator} learns from any group"
             )
+        self._check_lora()
         if self.loss.kl_coef > 0 and self.num_workers > 1:
             raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
             raise ValueError(f"constrained_turns must be 'train' or 'skip', got {self.constrained_turns!r}")
+
+    def _check_lora(self) -> None:
+        if self.lora_rank is None:
+            return
+        if self.lora_rank < 1 or self.lora_alpha <= 0 or not self.lora_target_modules:
+            raise ValueError(
+                f"LoRA needs a rank >= 1, alpha > 0 and target modules, got {self.lora_rank}, "
+                f"{self.lora_alpha} and {list(self.lora_target_modules)}"
+            )
+        if self.num_workers > 1:
+            raise ValueError("lora_rank needs num_workers 1: adapters are not sharded yet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +224,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=train("tensorboard"),
         metavar="DIR",
         help="also write every metrics.jsonl field as TensorBoard scalars into DIR",
+    )
+    group.add_argument(
+        "--proxy-url",
+        action="append",
+        metavar="URL",
+        help="a (further) molt-proxy to learn from and refresh; repeatable, keep the order across restarts",
     )
     group.add_argument("--group-size", type=int, default=train("group_size"))
     group.add_argument("--group-timeout", type=float, default=train("group_timeout_s"))
@@ -230,6 +265,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-workers", type=int, default=train("num_workers"), help=">1: FSDP2 data-parallel workers"
     )
     group.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
+    group.add_argument(
+        "--lora-rank",
+        type=int,
+        default=train("lora_rank"),
+        metavar="R",
+        help="train a LoRA adapter of rank R instead of the full weights; a refresh moves the adapter",
+    )
+    group.add_argument("--lora-alpha", type=float, default=train("lora_alpha"), help="scale: alpha / rank")
+    group.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=list(train("lora_target_modules")),
+        metavar="NAME",
+        help="linear layers (by name) that get an adapter (default: %(default)s)",
+    )
     group.add_argument("--seed", type=int, default=train("seed"))
     group.add_argument(
         "--train-greedy",
@@ -289,8 +339,10 @@ def _int_or_none(text: str) -> int | None:
 
 
 def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> TrainerConfig:
+    """`proxy_url`: the first proxy to follow (`serve --train`: its own); `--proxy-url`s after it."""
     return TrainerConfig(
         proxy_url=proxy_url,
+        more_proxy_urls=list(args.proxy_url or []),
         model=model,
         out_dir=Path(args.train_out),
         admin_key=getattr(args, "admin_key", None),
@@ -309,6 +361,9 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         refresh_every=args.refresh_every,
         loss=LossConfig(**{f.name: getattr(args, f.name) for f in fields(LossConfig)}),
         num_workers=args.num_workers,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_target_modules=tuple(args.lora_target_modules),
         ray_address=args.ray_address,
         seed=args.seed,
         train_greedy=args.train_greedy,

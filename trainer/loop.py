@@ -89,11 +89,12 @@ class Trainer:
             self.state, policy_state = restored
             self.policy.load_state_dict(policy_state)
             log.info(
-                "resumed at step %d (version %d, cursor %d)",
+                "resumed at step %d (version %d, cursors %s)",
                 self.state.step,
                 self.state.version,
-                self.state.cursor,
+                self.state.cursors,
             )
+        self.state.follow(len(config.proxy_urls))
 
     def run(self) -> dict[str, Any]:
         config, state = self.config, self.state
@@ -101,13 +102,14 @@ class Trainer:
         for trajectory in state.pending:
             buffer.add(trajectory)
         self._refresh()  # vLLM must serve this policy, whatever it served before (a restart)
-        stream = TrajectoryStream(config.proxy_url, state.cursor, admin_key=config.admin_key).start()
+        stream = TrajectoryStream(config.proxy_urls, state.cursors, admin_key=config.admin_key).start()
         ready: list[Group] = []
         try:
             while self._steps_done() < config.max_steps:
-                trajectory = stream.get(timeout_s=0.2)
-                if trajectory is not None:
-                    state.cursor = trajectory.seq
+                taken = stream.get(timeout_s=0.2)
+                if taken is not None:
+                    source, trajectory = taken
+                    state.cursors[source] = trajectory.seq
                     if trajectory.group_id.startswith(EVAL_GROUP_PREFIX):
                         self._evaluated(trajectory)
                     else:
@@ -122,13 +124,13 @@ class Trainer:
         records = read(self.metrics.path)
         if records:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
-        return {"step": state.step, "version": state.version, "cursor": state.cursor}
+        return {"step": state.step, "version": state.version, "cursors": state.cursors}
 
     def _evaluated(self, trajectory: Trajectory) -> None:
         """An evaluation episode (group `eval/...`): never trained on, consumed; its reward
         (once per session) is kept under the weight version that sampled it, the latest of its
         tokens', for the next metrics record."""
-        self.state.consumed.append(trajectory.seq)
+        self.state.consumed.append(trajectory.trajectory_id)
         sampled = [v for v, m in zip(trajectory.weight_versions, trajectory.loss_mask, strict=True) if m]
         if trajectory.reward is not None and trajectory.segment == 0 and sampled:
             self.state.evaluations.append((max(sampled), trajectory.reward))
@@ -158,7 +160,7 @@ class Trainer:
             else:
                 kept.append(group)
                 continue
-            state.consumed += [t.seq for t in group.trajectories]
+            state.consumed += [t.trajectory_id for t in group.trajectories]
         return kept
 
     def _steps_done(self) -> int:
@@ -209,7 +211,7 @@ class Trainer:
         state.step += 1
         state.version += 1
         state.optimizer_steps += int(step_metrics["optimizer_steps"])
-        state.trained.append([t.seq for t in trajectories])
+        state.trained.append([t.trajectory_id for t in trajectories])
         evaluations = self._eval_rewards()
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
@@ -222,7 +224,7 @@ class Trainer:
         record = {
             "step": state.step,
             "version": state.version,
-            "cursor": state.cursor,
+            "cursors": state.cursors,
             "trajectories": len(trajectories),
             "reward_mean": sum(rewards) / len(rewards),
             "reward_max": max(rewards),
@@ -268,7 +270,7 @@ class Trainer:
         and version stay, vLLM is not refreshed; counted and checkpointed."""
         state = self.state
         state.skipped_steps[reason] = state.skipped_steps.get(reason, 0) + 1
-        state.consumed += [t.seq for t in trajectories]
+        state.consumed += [t.trajectory_id for t in trajectories]
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         log.info(
             "skipped a step (%s): %d trajectories consumed, weights and version %d unchanged",
@@ -278,20 +280,24 @@ class Trainer:
         )
 
     def _refresh(self) -> float:
-        """Save the current weights and have the proxy load them into every replica."""
+        """Save the current weights (or adapter) and have every proxy load them into each of
+        its replicas."""
         started = time.monotonic()
         folder = (self.config.out_dir / "weights" / f"v{self.state.version}").resolve()
         self.policy.save_weights(folder)
         headers = {"authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
-        response = httpx.post(
-            f"{self.config.proxy_url.rstrip('/')}/v1/admin/weights",
-            json={"path": str(folder), "version": self.state.version},
-            headers=headers,
-            timeout=600,
-        )
-        response.raise_for_status()
-        _prune_weights(folder.parent, keep=folder)
-        behind = replicas_behind(self.config.proxy_url, self.state.version, headers)
+        behind = []
+        for url in self.config.proxy_urls:
+            response = httpx.post(
+                f"{url.rstrip('/')}/v1/admin/weights",
+                json={"path": str(folder), "version": self.state.version},
+                headers=headers,
+                timeout=600,
+            )
+            response.raise_for_status()
+            behind += replicas_behind(url, self.state.version, headers)
+        # vLLM may reload an adapter it evicted from its cache from the folder (molt_proxy/lora.py)
+        _prune_weights(folder.parent, keep=2 if self.config.lora_rank else 1)
         if behind:
             log.warning(
                 "weights v%d are not on %s: the proxy keeps them out of routing and reloads them "
@@ -303,13 +309,13 @@ class Trainer:
         return time.monotonic() - started
 
 
-def _prune_weights(folder: Path, keep: Path) -> None:
-    """vLLM has loaded `keep`; older pushed weights are no longer needed."""
+def _prune_weights(folder: Path, keep: int) -> None:
+    """vLLM has loaded the newest; all but the newest `keep` pushed folders are no longer needed."""
     import shutil
 
-    for old in folder.iterdir():
-        if old != keep and old.name.startswith("v"):
-            shutil.rmtree(old, ignore_errors=True)
+    pushed = sorted((p for p in folder.iterdir() if p.name.startswith("v")), key=lambda p: int(p.name[1:]))
+    for old in pushed[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _make_policy(config: TrainerConfig):
@@ -318,6 +324,18 @@ def _make_policy(config: TrainerConfig):
 
         return DataParallelPolicy(
             config.num_workers, config.model, lr=config.lr, max_grad_norm=config.max_grad_norm
+        )
+    if config.lora_rank is not None:
+        from trainer.lora import LoraPolicy
+
+        return LoraPolicy(
+            config.model,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            targets=config.lora_target_modules,
+            lr=config.lr,
+            max_grad_norm=config.max_grad_norm,
+            reference=config.loss.kl_coef > 0,
         )
     from trainer.policy import Policy
 

@@ -41,13 +41,15 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
-    parser.add_argument("--proxy-url", required=True)
     parser.add_argument("--model", required=True, help="initial weights: the model vLLM serves")
     parser.add_argument("--admin-key")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if not args.proxy_url:
+        parser.error("give at least one --proxy-url")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    result = train(config_from_args(args, args.proxy_url, args.model))
+    first, args.proxy_url = args.proxy_url[0], args.proxy_url[1:]
+    result = train(config_from_args(args, first, args.model))
     print(f"trained to step {result['step']} in {time.monotonic() - started:.0f} s; out: {args.train_out}")
     return 0

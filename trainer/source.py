@@ -1,11 +1,19 @@
-"""Follow the proxy's ordered stream of finalized trajectories from a cursor.
+"""Follow the ordered streams of finalized trajectories of one or more proxies, each from its
+own cursor.
 
-`GET /v1/trajectories?after=SEQ` with `Accept: text/event-stream` streams trajectories in
-`seq` order. A reader thread keeps the connection (reconnecting from the last seq it saw) and
-fills a queue; the training loop takes from the queue with a timeout, so it can also act on
-time (stragglers) while nothing arrives. What is in the queue is not yet consumed: the
-cursor the trainer checkpoints is the seq of the last trajectory it took. Records are parsed
-here, once, into `molt_proxy.types.Trajectory`: past this module the trainer reads attributes.
+`GET /v1/trajectories?after=SEQ` with `Accept: text/event-stream` streams a proxy's
+trajectories in `seq` order. One reader thread per proxy keeps its connection (reconnecting
+from the last seq it saw) and fills one shared queue with (proxy index, trajectory); the
+training loop takes from the queue with a timeout, so it can also act on time (stragglers)
+while nothing arrives. Each proxy's trajectories come out in its own seq order, interleaved
+with the others' as they arrive. What is in the queue is not yet consumed: the cursor the
+trainer checkpoints per proxy is the seq of the last trajectory it took from that proxy.
+Records are parsed here, once, into `molt_proxy.types.Trajectory`: past this module the
+trainer reads attributes.
+
+Seqs are each proxy's own (every store counts from 1); trajectory ids (`<session>:<segment>`)
+are unique across proxies behind a session-affine balancer, which sends a session to one
+proxy only.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -24,37 +33,54 @@ log = logging.getLogger(__name__)
 
 
 class TrajectoryStream:
-    def __init__(self, proxy_url: str, after: int, *, admin_key: str | None = None, maxsize: int = 10_000):
-        self.url = f"{proxy_url.rstrip('/')}/v1/trajectories"
+    def __init__(
+        self,
+        proxy_urls: Sequence[str],
+        cursors: Sequence[int],
+        *,
+        admin_key: str | None = None,
+        maxsize: int = 10_000,
+    ):
+        if len(proxy_urls) != len(cursors):
+            raise ValueError(f"{len(proxy_urls)} proxies but {len(cursors)} cursors")
         self.headers = {"accept": "text/event-stream"}
         if admin_key:
             self.headers["authorization"] = f"Bearer {admin_key}"
-        self._last_seen = after
-        self._queue: queue.Queue[Trajectory] = queue.Queue(maxsize)
+        self._queue: queue.Queue[tuple[int, Trajectory]] = queue.Queue(maxsize)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="trajectory-stream", daemon=True)
+        self._threads = [
+            threading.Thread(
+                target=self._read,
+                args=(index, f"{url.rstrip('/')}/v1/trajectories", after),
+                name=f"trajectory-stream-{index}",
+                daemon=True,
+            )
+            for index, (url, after) in enumerate(zip(proxy_urls, cursors, strict=True))
+        ]
 
     def start(self) -> TrajectoryStream:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def get(self, timeout_s: float) -> Trajectory | None:
-        """The next trajectory in seq order, or None if none arrived within `timeout_s`."""
+    def get(self, timeout_s: float) -> tuple[int, Trajectory] | None:
+        """(proxy index, the next trajectory of that proxy in its seq order), or None if none
+        arrived within `timeout_s`."""
         try:
             return self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return None
 
-    def _read(self) -> None:
+    def _read(self, index: int, url: str, last_seen: int) -> None:
         while not self._stop.is_set():
             try:
                 with httpx.stream(
                     "GET",
-                    self.url,
-                    params={"after": self._last_seen},
+                    url,
+                    params={"after": last_seen},
                     headers=self.headers,
                     timeout=httpx.Timeout(10.0, read=60.0),
                 ) as response:
@@ -64,12 +90,12 @@ class TrajectoryStream:
                             return
                         if line.startswith("data: "):
                             trajectory = Trajectory.from_json(json.loads(line[6:]))
-                            if trajectory.seq <= self._last_seen:
+                            if trajectory.seq <= last_seen:
                                 continue
-                            self._last_seen = trajectory.seq
-                            self._queue.put(trajectory)
+                            last_seen = trajectory.seq
+                            self._queue.put((index, trajectory))
             except httpx.HTTPError as exc:
                 log.warning(
-                    "trajectory stream interrupted (%s); reconnecting after seq %d", exc, self._last_seen
+                    "trajectory stream of %s interrupted (%s); reconnecting after seq %d", url, exc, last_seen
                 )
                 time.sleep(1.0)

@@ -3,6 +3,8 @@ exactly-once state."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.trainer.builders import session, trajectory
@@ -97,10 +99,10 @@ def test_checkpoint_round_trip_keeps_cursor_pending_and_history(tmp_path):
         step=3,
         version=3,
         optimizer_steps=6,
-        cursor=42,
+        cursors=[42, 7],
         pending=session(40, "s", "g", 1.0, segments=2),
-        trained=[[1, 2]],
-        consumed=[3],
+        trained=[["s1:0", "s2:0"]],
+        consumed=["s3:0"],
         skipped_steps={"stale": 1},
         dropped_stale_groups=2,
     )
@@ -112,6 +114,37 @@ def test_checkpoint_round_trip_keeps_cursor_pending_and_history(tmp_path):
     checkpoint.save(tmp_path / "ckpt", state, {"weights": [3.0]})  # replaces the previous one whole
     assert checkpoint.load(tmp_path / "ckpt")[0].step == 4
     assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.old").exists()
+
+
+def test_a_single_cursor_checkpoint_loads_as_the_first_proxys_and_a_proxy_added_reads_from_its_start(
+    tmp_path,
+):
+    """A checkpoint from before several proxies (one `cursor`, seqs as ids): the cursor is the
+    first proxy's; a proxy added at the end starts at 0; following fewer proxies is refused
+    (a cursor, and where that proxy's stream was left, would be lost)."""
+    old = {
+        "step": 2,
+        "version": 2,
+        "cursor": 17,
+        "pending": [trajectory(16, "s16").to_json()],
+        "trained": [[1, 2], [5, 6]],
+        "consumed": [3, 4],
+    }
+    folder = tmp_path / "ckpt"
+    checkpoint.save(folder, checkpoint.TrainerState(), {"weights": [1.0]})
+    (folder / "state.json").write_text(json.dumps(old))
+    state, _ = checkpoint.load(folder)
+    assert (state.cursors, state.step, state.trained, state.consumed) == ([17], 2, [[1, 2], [5, 6]], [3, 4])
+    assert [t.seq for t in state.pending] == [16]
+    state.follow(1)
+    assert state.cursors == [17]
+    state.follow(3)
+    assert state.cursors == [17, 0, 0]
+    with pytest.raises(ValueError, match="the checkpoint follows 3 proxies and this run 2"):
+        state.follow(2)
+    fresh = checkpoint.TrainerState()
+    fresh.follow(2)
+    assert fresh.cursors == [0, 0]
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):

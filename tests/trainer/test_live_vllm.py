@@ -1,6 +1,7 @@
 """The trainer's side of a live vLLM, one server for the whole file: a weight refresh under load
 (16 agents keep running while vLLM gets new weights 3 times), a bad weights folder refused before
-vLLM is touched, and a trainer killed mid-run that resumes without training twice or skipping."""
+vLLM is touched, a trainer following two proxies, killed mid-run, that resumes without
+training twice or skipping, and two LoRA trainers' proxies sharing the server (multi-LoRA)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from openai import OpenAI
 from safetensors.torch import load_file, save_file
@@ -22,7 +24,10 @@ from transformers import AutoModelForCausalLM
 from molt_proxy.config import Settings
 from tests.helpers import reply_as_message, trajectories
 from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
-from trainer import checkpoint
+from trainer import checkpoint, loop
+from trainer.config import TrainerConfig
+from trainer.lora import LoraPolicy
+from trainer.policy import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,17 +180,19 @@ def test_refresh_refuses_a_bad_weights_folder_before_touching_vllm(digits_model,
             ).id
 
 
-def _agents(proxy_url: str, stop_file: Path) -> subprocess.Popen:
-    """Episodes in groups of 4, each rewarded by the share of digits (a separate process)."""
+def _agents(proxy_urls: list[str], stop_file: Path) -> subprocess.Popen:
+    """Episodes in groups of 4, each rewarded by the share of digits (a separate process);
+    episodes take turns over the proxies, so each group has sessions on every one."""
     code = f"""
 import itertools, sys, httpx
 from pathlib import Path
 from openai import OpenAI
 from devtools import digit_share
-http = httpx.Client(base_url={proxy_url!r}, timeout=120)
+proxies = [httpx.Client(base_url=url, timeout=120) for url in {proxy_urls!r}]
 for episode in itertools.count():
     if Path({str(stop_file)!r}).exists():
         break
+    http = proxies[episode % len(proxies)]
     s = http.post("/v1/sessions", json={{"group_id": f"g{{episode // 4}}"}}).json()
     r = OpenAI(base_url=s["base_url"], api_key="x").chat.completions.create(
         model="m", messages=[{{"role": "user", "content": "Write a number."}}], max_tokens=8)
@@ -195,11 +202,12 @@ for episode in itertools.count():
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
 
-def _trainer(proxy_url: str, model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
+def _trainer(proxy_urls: list[str], model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
     """A trainer in its own session (killed as a whole); its output goes to `log`, and with
     the fault handler on, SIGABRT makes it print where every thread is."""
     command = [
-        sys.executable, "-m", "trainer", "--proxy-url", proxy_url, "--model", str(model),
+        sys.executable, "-m", "trainer", *(f for url in proxy_urls for f in ("--proxy-url", url)),
+        "--model", str(model),
         "--train-out", str(out), "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1",
         "--lr", "1e-3",
     ]  # fmt: skip
@@ -238,16 +246,19 @@ def _steps_done(folder: Path) -> int:
     return 0 if loaded is None else loaded[0].step + sum(loaded[0].skipped_steps.values())
 
 
-def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
+def test_trainer_following_two_proxies_killed_mid_run_resumes_without_training_twice_or_skipping(
     digits_model, digits_vllm, start_proxy, tmp_path
 ):
-    proxy = start_proxy(digits_model, digits_vllm)
+    """Two proxies (each its own SQLite store) in front of one vLLM; every group has sessions
+    on both. Each proxy's seqs are its own: the trainer keeps a cursor per proxy."""
+    proxies = [start_proxy(digits_model, digits_vllm), start_proxy(digits_model, digits_vllm)]
+    urls = [proxy.url for proxy in proxies]
     stop_file = tmp_path / "stop"
-    agents = _agents(proxy.url, stop_file)
+    agents = _agents(urls, stop_file)
     out = tmp_path / "train"
     try:
         first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-        first = _trainer(proxy.url, digits_model, out, steps=6, log=first_log)
+        first = _trainer(urls, digits_model, out, steps=6, log=first_log)
         deadline = time.monotonic() + 600
         # Steps taken or skipped (a skipped step, e.g. a group of equal rewards, writes no
         # metrics line but is checkpointed).
@@ -260,7 +271,7 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         deadline = time.monotonic() + 60
         while _session_alive(first.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        second = _trainer(proxy.url, digits_model, out, steps=6, log=second_log)
+        second = _trainer(urls, digits_model, out, steps=6, log=second_log)
         try:
             assert _wait_or_dump(second, second_log, timeout_s=420) == 0, second_log.read_text()[-8000:]
         finally:
@@ -271,10 +282,111 @@ def test_trainer_killed_mid_run_resumes_without_training_twice_or_skipping(
         agents.wait(timeout=120)
     state, _ = checkpoint.load(out / "checkpoint")
     assert state.step + sum(state.skipped_steps.values()) == 6  # taken or skipped
-    trained = [seq for step in state.trained for seq in step]
+    trained = [trajectory_id for step in state.trained for trajectory_id in step]
     assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
-    taken = set(trained) | set(state.consumed) | {t.seq for t in state.pending}
-    finalized = {t["seq"] for t in trajectories(proxy.url) if t["seq"] <= state.cursor}
-    assert taken == finalized, "every trajectory up to the cursor is trained on, let go or still pending"
+    taken = set(trained) | set(state.consumed) | {t.trajectory_id for t in state.pending}
+    finalized = [
+        {t["trajectory_id"] for t in trajectories(url) if t["seq"] <= cursor}
+        for url, cursor in zip(urls, state.cursors, strict=True)
+    ]
+    assert not finalized[0] & finalized[1] and all(finalized), finalized
+    assert taken == finalized[0] | finalized[1], (
+        "every trajectory up to each cursor is trained on, let go or pending"
+    )
+    assert set(trained) & finalized[0] and set(trained) & finalized[1], (
+        "both proxies' episodes are trained on"
+    )
     # The restarted trainer pushed its resumed version back to vLLM before going on.
     assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == str(state.version)
+
+
+def test_two_lora_trainers_share_one_vllm_each_sampling_its_own_adapter_at_exact_versions(
+    digits_model, digits_vllm, start_proxy, tmp_path
+):
+    """Two proxies with their own `--lora-name` in front of one vLLM (multi-LoRA), each given
+    adapters as its trainer writes them: every turn samples from its own proxy's newest
+    adapter, its tokens carry that adapter's version, and its recorded logprobs are the
+    trainer's under that adapter. A push keeps the adapter before it loaded and unloads older
+    ones."""
+    base = start_proxy(digits_model, digits_vllm)
+    # The shared server may hold another test's weights: the adapters apply to the base.
+    reset = httpx.post(
+        f"{base.url}/v1/admin/weights", json={"path": str(digits_model), "version": 0}, timeout=120
+    )
+    assert reset.status_code == 200, reset.text
+    proxies = {name: start_proxy(digits_model, digits_vllm, "--lora-name", name) for name in ("alice", "bob")}
+
+    # Alice's trainer pushes through its own refresh (`Trainer._refresh`), bob's by hand.
+    alice = loop.Trainer(
+        TrainerConfig(
+            proxy_url=proxies["alice"].url, model=str(digits_model), out_dir=tmp_path / "alice", lora_rank=4,
+            lora_alpha=8.0,
+        )
+    )  # fmt: skip
+
+    def push(name: str, version: int) -> LoraPolicy:
+        policy = alice.policy if name == "alice" else LoraPolicy(digits_model, rank=4, alpha=8.0)
+        generator = torch.Generator().manual_seed(10 * version + len(name))
+        with torch.no_grad():
+            for key, parameter in policy.adapter_parameters().items():
+                if "lora_B" in key:  # as training moves B away from 0
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        if name == "alice":
+            alice.state.version = version
+            alice._refresh()
+            assert alice.replicas_behind == 0
+            return policy
+        folder = tmp_path / name / f"v{version}"
+        policy.save_weights(folder)
+        response = httpx.post(
+            f"{proxies[name].url}/v1/admin/weights",
+            json={"path": str(folder), "version": version},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        return policy
+
+    def turn(name: str, session: str) -> tuple[list[int], list[float], list[int], torch.Tensor]:
+        """A turn through `name`'s proxy: (all ids, sampled logprobs, sampled versions, mask)."""
+        client = OpenAI(base_url=proxies[name].base_url(session), api_key="x", max_retries=0)
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Write a number."}],
+            max_tokens=8,
+            temperature=1.0,
+        )
+        httpx.post(f"{proxies[name].url}/v1/rewards", json={"session_id": session, "reward": 1.0})
+        [record] = [r for r in trajectories(proxies[name].url) if r["session_id"] == session]
+        mask = torch.tensor(record["loss_mask"], dtype=torch.bool)
+        sampled = [v for v, m in zip(record["weight_versions"], record["loss_mask"], strict=True) if m]
+        return record["token_ids"], torch.tensor(record["logprobs"])[mask].tolist(), sampled, mask
+
+    def trainer_logprobs(policy: LoraPolicy, ids: list[int], mask: torch.Tensor) -> list[float]:
+        full = torch.tensor([ids])
+        with torch.no_grad():
+            return token_logprobs(policy.model, full, torch.ones_like(full))[0][mask].tolist()
+
+    policies = {"alice": push("alice", 1), "bob": push("bob", 1)}
+    for name, other in (("alice", "bob"), ("bob", "alice")):
+        ids, recorded, versions, mask = turn(name, f"{name}-1")
+        assert versions == [1] * len(recorded) and recorded
+        assert recorded == pytest.approx(trainer_logprobs(policies[name], ids, mask), abs=1e-4)
+        theirs = trainer_logprobs(policies[other], ids, mask)
+        assert max(abs(a - b) for a, b in zip(recorded, theirs, strict=True)) > 0.05, (
+            "sampled by its own adapter"
+        )
+
+    push("alice", 2)
+    policies["alice"] = push("alice", 3)
+    # The trainer keeps the newest two adapters on disk (vLLM may reload an evicted one from there).
+    assert sorted(p.name for p in (tmp_path / "alice" / "weights").iterdir()) == ["v2", "v3"]
+    served = {m["id"] for m in httpx.get(f"{digits_vllm.url}/v1/models").json()["data"]}
+    assert {"alice-v2", "alice-v3", "bob-v1"} <= served and "alice-v1" not in served
+    ids, recorded, versions, mask = turn("alice", "alice-3")
+    assert versions == [3] * len(recorded)
+    assert recorded == pytest.approx(trainer_logprobs(policies["alice"], ids, mask), abs=1e-4)
+    versions_by_proxy = {
+        name: [r["weight_version"] for r in httpx.get(f"{proxy.url}/health").json()["replicas"]]
+        for name, proxy in proxies.items()
+    }
+    assert versions_by_proxy == {"alice": [3], "bob": [1]}

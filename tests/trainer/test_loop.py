@@ -33,8 +33,8 @@ class Stream:
     def start(self) -> Stream:
         return self
 
-    def get(self, timeout_s: float) -> Trajectory | None:
-        return self.records.pop(0) if self.records else None
+    def get(self, timeout_s: float) -> tuple[int, Trajectory] | None:
+        return (0, self.records.pop(0)) if self.records else None
 
     def stop(self) -> None:
         pass
@@ -81,14 +81,22 @@ def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_cons
 
     trainer.policy.ppo_step = spy
 
-    assert trainer.run() == {"step": 2, "version": 2, "cursor": 10}
+    assert trainer.run() == {"step": 2, "version": 2, "cursors": [10]}
 
     assert refreshed == [0, 1, 2]  # at start, then once per step taken: never for a skipped one
     assert len(weights_before) == 3  # first, masked, second: the tie and the stale group never ran
     masked, second = weights_before[1], weights_before[2]
     assert all(torch.equal(masked[name], tensor) for name, tensor in second.items())
     state, _ = checkpoint.load(tmp_path / "checkpoint")
-    assert state.trained == [[1, 2], [9, 10]] and sorted(state.consumed) == [3, 4, 5, 6, 7, 8]
+    assert state.trained == [["first-0:0", "first-1:0"], ["second-0:0", "second-1:0"]]
+    assert sorted(state.consumed) == [
+        "masked-0:0",
+        "masked-1:0",
+        "stale-0:0",
+        "stale-1:0",
+        "tie-0:0",
+        "tie-1:0",
+    ]
     assert state.skipped_steps == {"zero_advantage": 1, "masked": 1} and state.dropped_stale_groups == 1
     assert state.optimizer_steps == 4  # two epochs per step taken; versions count steps
     records_written = read(tmp_path / "metrics.jsonl")
@@ -112,7 +120,7 @@ def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
     trainer._step([stale], pending=[])
 
     assert (trainer.state.step, trainer.state.version, trainer.state.optimizer_steps) == (9, 9, 0)
-    assert trainer.state.skipped_steps == {"stale": 1} and trainer.state.consumed == [1, 2]
+    assert trainer.state.skipped_steps == {"stale": 1} and trainer.state.consumed == ["g-0:0", "g-1:0"]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -153,10 +161,11 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
 
     trainer.policy.ppo_step = spy
 
-    assert trainer.run() == {"step": 2, "version": 2, "cursor": 10}
+    assert trainer.run() == {"step": 2, "version": 2, "cursors": [10]}
 
     state, _ = checkpoint.load(tmp_path / "checkpoint")
-    assert state.trained == [[1, 2], [9, 10]] and sorted(state.consumed) == [3, 4, 5, 6, 7, 8]
+    assert state.trained == [["A-0:0", "A-1:0"], ["D-0:0", "D-1:0"]]
+    assert sorted(state.consumed) == ["B-0:0", "B-1:0", "C-0:0", "C-1:0", "eval/E-0:0", "eval/E-1:0"]
     assert (state.dropped_stale_groups, state.dropped_flat_groups, state.skipped_steps) == (1, 1, {})
     assert calls == [0, 1]  # the policy stepped on A and D only
     last = read(tmp_path / "metrics.jsonl")[-1]
