@@ -11,6 +11,7 @@ turn. Target: stitching cost flat in the conversation's length, the baseline lin
 from __future__ import annotations
 
 import time
+from array import array
 
 from bench.common import Section, median, ms, ratio, table, tiny_model
 from molt_proxy.stitching import commit_turn, plan_prompt
@@ -79,10 +80,9 @@ def _copy(segment: Segment | None) -> Segment | None:
         return None
     return Segment(
         segment.index,
-        list(segment.token_ids),
-        list(segment.loss_mask),
-        list(segment.logprobs),
-        list(segment.weight_versions),
+        array("i", segment.token_ids),
+        array("d", segment.sampled_logprobs),
+        list(segment.version_runs),
         list(segment.turns),
         segment.text,
     )
