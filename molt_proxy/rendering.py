@@ -53,6 +53,8 @@ and how long an earlier window's context is reused before a new one is anchored.
 LEAVE_OUT = 16
 """A window leaves at least this many messages out, or the whole history is rendered: below
 that, one render of it costs less than a window's."""
+_PROBES = 256
+"""The (tools, kwargs) whose probe result is kept; the oldest goes first."""
 _CACHE_CHARS = 64 * 2**20
 """The rendered characters the cache keeps (the messages they were rendered from come beside
 them, about as large): the least recently used go first."""
@@ -104,7 +106,8 @@ class Renders:
 
     def render(self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         """`Tokenizer.render(messages, tools, kwargs)`: the earlier render it extends and a
-        window where one is checked, else the whole history."""
+        window where one is checked, else the whole history. The cache keeps `messages` (the
+        list itself: `after` finds its render by it), which must not change afterwards."""
         parent = self._parent(messages, tools, kwargs)
         text, window = None, None
         if parent is None:
@@ -148,13 +151,16 @@ class Renders:
         return rendered[len(text) :] if rendered.startswith(text) else None
 
     def windows(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Windows:
-        """The template's windows with these tools and kwargs, probed once."""
+        """The template's windows with these tools and kwargs, probed once (about 90 small
+        renders: tens of milliseconds, on the first request with them)."""
         key = json.dumps([tools, kwargs], sort_keys=True, default=str)
         found = self._windows.get(key)
         if found is None:
             found = probe(self.tokenizer, tools, kwargs)
             with self._lock:
                 self._windows[key] = found
+                if len(self._windows) > _PROBES:
+                    del self._windows[next(iter(self._windows))]
         return found
 
     def is_featured(self, message: dict[str, Any]) -> bool:
