@@ -85,6 +85,10 @@ class _Entry:
     featured: bool
     windows: Windows
     window: Window | None
+    nested: list[int]
+    """The indices of the messages with a value other than a string or None (tool calls):
+    where `==` is not enough (JSON's `1`, `1.0` and `true` are equal in Python, and key order
+    is not compared)."""
 
 
 class Renders:
@@ -111,11 +115,15 @@ class Renders:
         parent = self._parent(messages, tools, kwargs)
         text, window = None, None
         if parent is None:
-            windows, featured = self.windows(tools, kwargs), self._featured(messages)
+            windows, featured, nested = (
+                self.windows(tools, kwargs),
+                self._featured(messages),
+                _nested(messages, 0),
+            )
         else:
             m = len(parent.messages)
             windows, new = parent.windows, self._featured(messages[m:])
-            featured = parent.featured or new
+            featured, nested = parent.featured or new, parent.nested + _nested(messages, m)
             if windows.allow(parent.featured, new):
                 found = self.window(parent.text, m, messages, tools, kwargs, True, parent.window)
                 if found is not None:
@@ -123,7 +131,7 @@ class Renders:
                     self.windowed += 1
         if text is None:
             text = self.tokenizer.render(messages, tools, kwargs)
-        self._remember(_Entry(messages, tools, kwargs, text, featured, windows, window), parent)
+        self._remember(_Entry(messages, tools, kwargs, text, featured, windows, window, nested), parent)
         return text
 
     def after(
@@ -233,9 +241,11 @@ class Renders:
             entry = self._entries.get(_key(messages, m))
             if (
                 entry is not None
-                and entry.kwargs == kwargs
-                and entry.tools == tools
+                and repr(entry.kwargs) == repr(kwargs)
+                and entry.tools == tools  # the head, rendered again by every window, shows them
                 and entry.messages == messages[:m]
+                and list(map(list, entry.messages)) == list(map(list, messages[:m]))  # key order
+                and all(repr(entry.messages[i]) == repr(messages[i]) for i in entry.nested)
             ):
                 return entry
         return None
@@ -260,6 +270,15 @@ class Renders:
 def _key(messages: Messages, m: int) -> tuple[int, str]:
     """Where the render of `messages[:m]` is cached: its length and its last message."""
     return m, json.dumps(messages[m - 1], sort_keys=True, default=str) if m else ""
+
+
+def _nested(messages: Messages, start: int) -> list[int]:
+    """The indices from `start` on of the messages with a value other than a string or None."""
+    return [
+        i
+        for i in range(start, len(messages))
+        if any(type(v) is not str and v is not None for v in messages[i].values())
+    ]
 
 
 def _seams(messages: Messages) -> Iterator[int]:

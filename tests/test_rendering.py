@@ -165,3 +165,24 @@ def test_a_date_that_changed_renders_the_whole_history_with_the_new_date(monkeyp
     assert "02 Jan 2099" in text and text == renders.tokenizer.render(request, script["tools"], {})
     assert renders.windowed == windowed
     monkeypatch.setattr(chat_template_utils, "datetime", today)
+
+
+def test_an_earlier_message_that_is_equal_in_python_but_not_in_json_renders_whole():
+    """`1 == 1.0 == True` and dicts compare without key order, yet a template prints them
+    apart (`tojson`): an earlier tool call echoed so is not the cached render's."""
+    renders = Renders(load("qwen3"), 1)
+    script = weather_episode("hermes")
+    messages = long_history(script, 6)
+    call = next(m for m in messages if m.get("tool_calls"))["tool_calls"][0]
+    call["function"]["arguments"] = {"city": "Paris", "days": 1}
+    play(renders, json.loads(json.dumps(messages[:-6])), script["tools"], {})  # copies, as requests are
+    for arguments in (
+        {"city": "Paris", "days": 1.0},
+        {"days": 1, "city": "Paris"},
+        {"city": "Paris", "days": True},
+    ):
+        call["function"]["arguments"] = arguments
+        request = [json.loads(json.dumps(m)) for m in messages[:-5]]
+        text = renders.render(request, script["tools"], {})
+        assert text == renders.tokenizer.render(request, script["tools"], {})
+        assert json.dumps(arguments) in text
