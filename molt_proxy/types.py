@@ -1,7 +1,7 @@
 """The data contract of molt-proxy: turns, segments and trajectories.
 
-Imports nothing from the package. Every list in a segment is aligned 1:1 with `token_ids`;
-shapes are written as `[T]` for the segment length.
+Imports nothing from the package. Every `[T]` field or property of a segment or trajectory is
+aligned 1:1 with `token_ids`; shapes are written as `[T]` for the segment length.
 """
 
 from __future__ import annotations
