@@ -16,6 +16,7 @@ from molt_proxy.errors import BadRequest
 from molt_proxy.render_probe import Windows, probe
 from molt_proxy.rendering import LEAVE_OUT, Renders
 from molt_proxy.tokenizer import Tokenizer
+from tests.test_chains import PARENT, Agent, proxy, upstream
 from tests.test_tokenizer import load
 
 Messages = list[dict[str, Any]]
@@ -186,3 +187,19 @@ def test_an_earlier_message_that_is_equal_in_python_but_not_in_json_renders_whol
         text = renders.render(request, script["tools"], {})
         assert text == renders.tokenizer.render(request, script["tools"], {})
         assert json.dumps(arguments) in text
+
+
+def test_a_long_conversation_through_the_proxy_records_the_ids_of_the_whole_renders(tmp_path):
+    """In process, before the stand-in vLLM: 30 turns, rendered by windows from about the
+    tenth; the record is one segment, and each turn's prompt ids are the tokenization of the
+    whole render of its request."""
+    with upstream() as stand_in, proxy(*stand_in, tmp_path / "long.db") as served:
+        agent = Agent(PARENT)
+        for turn in range(30):
+            served.turn(agent, f"Step {turn}: what next?", f"Do step {turn + 1}, then report.", "long")
+        [trajectory] = served.close("long", 1.0)
+    tokenizer = served.tokenizer
+    for k, turn in enumerate(trajectory["turns"]):
+        request = agent.history[: 2 + 2 * k]
+        prompt = tokenizer.encode(tokenizer.render(request, None, {}))
+        assert trajectory["token_ids"][: turn["completion_start"]] == prompt, f"turn {k}"
