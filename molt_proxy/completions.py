@@ -30,6 +30,7 @@ from molt_proxy.conversation import Conversation
 from molt_proxy.echo import Find, Rendered, echo_view, restore
 from molt_proxy.errors import ContextLengthExceeded, UpstreamError
 from molt_proxy.parsing import ReplyParser
+from molt_proxy.rendering import Renders
 from molt_proxy.replicas import Replicas
 from molt_proxy.sampling import effective_sampling
 from molt_proxy.session import Attempt, Caller, OpenTurn
@@ -86,6 +87,8 @@ class Completions:
         self.sessions = sessions
         self.turns = Turns(sessions)
         self.tokenizer = tokenizer
+        self.renders = Renders(tokenizer)
+        """The chat template's renders, incremental where checked (`rendering.py`)."""
         self.parser = parser
         self.replicas = replicas
         self.verify_prompt_ids = verify_prompt_ids
@@ -234,7 +237,7 @@ class Completions:
         generation = replace(generation, constrained=prepared.constrained)
         sampled = generation.token_ids
         ends_turn = self.parser.ends_with_stop_id(sampled, generation.finish_reason, prepared.request)
-        view = (self.tokenizer, prepared.rendered, message, self.tokenizer.ids_bytes(sampled), ends_turn)
+        view = (self.renders, prepared.rendered, message, self.tokenizer.ids_bytes(sampled), ends_turn)
         echo = await asyncio.to_thread(echo_view, *view) if prepared.off_loop else echo_view(*view)
         await turn.record(prepared.plan, generation, reply, prepared.applied, echo)
         return reply
@@ -250,7 +253,7 @@ class Completions:
 
     def _rendered(self, conversation: Conversation, returned: Find) -> Rendered:
         messages = restore(conversation.messages, returned)
-        text = self.tokenizer.render(messages, conversation.tools, conversation.template_kwargs)
+        text = self.renders.render(messages, conversation.tools, conversation.template_kwargs)
         return Rendered(text, messages, conversation.tools, conversation.template_kwargs)
 
     def _render_fitting(self, conversation: Conversation, returned: Find, max_model_len: int) -> Rendered:

@@ -30,7 +30,7 @@ from typing import Any
 
 from molt_proxy.errors import BadRequest
 from molt_proxy.parsing import sampled_json_text
-from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.rendering import Renders
 from molt_proxy.types import ParsedReply
 
 Find = Callable[[str], ParsedReply | None]
@@ -181,35 +181,39 @@ class Rendered:
 
 
 def echo_view(
-    tokenizer: Tokenizer, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
+    renders: Renders, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
 ) -> bytes | None:
     """The bytes the template renders for `reply` as returned, where they differ from the
     `sampled` bytes (None where they do not, or where the template does not show the reply).
 
     The reply is rendered after the request and before what agents send next (its tool
-    results, or a user message), as the next request renders it. It ends where its sampled
-    ids end: a sampled stop id (`ends_turn`) stands for the template's end-of-turn token, so
-    the view keeps that token and what the template adds past it (Qwen3's `\\n`) is the next
-    request's; a reply cut by a stop string or by length ends with its text, and the
-    template's whole closing is the next request's. A view that does not show all the reply
-    says (a template dropping earlier reasoning) is no view: that history is rewritten.
+    results, or a user message), as the next request renders it (`Renders.after`: a window
+    over the request's render where one is checked). It ends where its sampled ids end: a
+    sampled stop id (`ends_turn`) stands for the template's end-of-turn token, so the view
+    keeps that token and what the template adds past it (Qwen3's `\\n`) is the next request's;
+    a reply cut by a stop string or by length ends with its text, and the template's whole
+    closing is the next request's. A view that does not show all the reply says (a template
+    dropping earlier reasoning) is no view: that history is rewritten.
     """
-    closing = tokenizer.closing
+    closing = renders.tokenizer.closing
     if closing is None:
         return None
     follow: list[dict[str, Any]] = [
         {"role": "tool", "tool_call_id": call["id"], "content": _FOLLOW} for call in reply.tool_calls
     ] or [{"role": "user", "content": _FOLLOW}]
-    history = [*rendered.messages, reply.as_message(), *follow]
     try:
-        whole = tokenizer.render(
-            history, rendered.tools, rendered.template_kwargs, add_generation_prompt=False
+        added = renders.after(
+            rendered.messages,
+            rendered.tools,
+            rendered.template_kwargs,
+            rendered.text,
+            [reply.as_message(), *follow],
         )
     except BadRequest:
         return None
-    if not whole.startswith(rendered.text) or _FOLLOW not in whole[len(rendered.text) :]:
+    if added is None or _FOLLOW not in added:
         return None
-    tail = whole[len(rendered.text) : whole.index(_FOLLOW, len(rendered.text))]
+    tail = added[: added.index(_FOLLOW)]
     end = tail.rfind(closing.end + closing.after)
     if end == -1:
         return None

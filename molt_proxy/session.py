@@ -167,7 +167,7 @@ class Session:
                 {
                     "segment": s.index,
                     "num_tokens": len(s.token_ids),
-                    "num_sampled": sum(s.loss_mask),
+                    "num_sampled": sum(t.completion_end - t.completion_start for t in s.turns),
                     "turns": [t.completion_id for t in s.turns],
                 }
                 for s in self.segments
@@ -188,7 +188,7 @@ class Session:
                 segment=segment.index,
                 num_segments=len(self.segments),
                 group_id=group_id,
-                token_ids=segment.token_ids,
+                token_ids=segment.token_ids.tolist(),
                 loss_mask=segment.loss_mask,
                 logprobs=segment.logprobs,
                 weight_versions=segment.weight_versions,

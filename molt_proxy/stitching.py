@@ -81,7 +81,9 @@ def plan_prompt(segments: Sequence[Segment], rendered: str, tokenizer: TokenText
         except UnicodeDecodeError:
             continue
         new_ids = tokenizer.encode(suffix) if suffix else []
-        return PromptPlan(segment.token_ids + new_ids, new_ids, tokenizer.ids_bytes(new_ids), segment.index)
+        return PromptPlan(
+            segment.token_ids.tolist() + new_ids, new_ids, tokenizer.ids_bytes(new_ids), segment.index
+        )
     ids = tokenizer.encode(rendered)
     return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), None)
 
@@ -143,15 +145,12 @@ def _append(
     what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view where it
     differs from the sampled bytes, extends the segment's echo bytes."""
     prompt_start = len(segment.token_ids)
-    segment.token_ids += new_ids
-    segment.loss_mask += [0] * len(new_ids)
-    segment.logprobs += [0.0] * len(new_ids)
-    segment.weight_versions += [NOT_SAMPLED] * len(new_ids)
+    segment.token_ids.extend(new_ids)
+    segment.add_versions([NOT_SAMPLED] * len(new_ids))
     completion_start = len(segment.token_ids)
-    segment.token_ids += generation.token_ids
-    segment.loss_mask += [1] * len(generation.token_ids)
-    segment.logprobs += generation.logprobs
-    segment.weight_versions += generation.weight_versions
+    segment.token_ids.extend(generation.token_ids)
+    segment.sampled_logprobs.extend(generation.logprobs)
+    segment.add_versions(generation.weight_versions)
     sampled = tokenizer.ids_bytes(generation.token_ids)
     if echo is not None and segment.echo is None:
         segment.echo = segment.text

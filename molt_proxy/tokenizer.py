@@ -62,6 +62,11 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(path), ids)
 
     @property
+    def added_tokens(self) -> frozenset[str]:
+        """The text of every token added to the vocabulary (special tokens, Qwen3's `<think>`)."""
+        return frozenset(self._added)
+
+    @property
     def eos_token_id(self) -> int:
         return self.hf.eos_token_id
 

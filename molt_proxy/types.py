@@ -1,12 +1,13 @@
 """The data contract of molt-proxy: turns, segments and trajectories.
 
-Imports nothing from the package. Every list in a segment is aligned 1:1 with `token_ids`;
-shapes are written as `[T]` for the segment length.
+Imports nothing from the package. Every `[T]` field or property of a segment or trajectory is
+aligned 1:1 with `token_ids`; shapes are written as `[T]` for the segment length.
 """
 
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,17 +99,20 @@ class Turn:
 
 @dataclass(slots=True)
 class Segment:
-    """The exact token record of one unbroken stretch of a conversation."""
+    """The exact token record of one unbroken stretch of a conversation, packed: an open
+    session holds it in memory for as long as the episode runs, so ids and the sampled tokens'
+    logprobs are typed arrays, and the loss mask and weight versions, which change only at turn
+    boundaries (and at a weight refresh), are spans; the aligned [T] lists are properties."""
 
     index: int
-    token_ids: list[int] = field(default_factory=list)
-    """[T] every id the model saw or sampled, in order."""
-    loss_mask: list[int] = field(default_factory=list)
-    """[T] 1 where the policy sampled the token, 0 for prompt tokens."""
-    logprobs: list[float] = field(default_factory=list)
-    """[T] rollout logprob of each sampled token (processed distribution); 0.0 where mask is 0."""
-    weight_versions: list[int] = field(default_factory=list)
-    """[T] weight version that sampled each token; NOT_SAMPLED (-1) where mask is 0."""
+    token_ids: array = field(default_factory=lambda: array("i"))
+    """[T] every id the model saw or sampled, in order (int32)."""
+    sampled_logprobs: array = field(default_factory=lambda: array("d"))
+    """The rollout logprob of each sampled token, in order (`logprobs` spreads them over the
+    turns' completions). Doubles: exactly the floats vLLM returned."""
+    version_runs: list[tuple[int, int]] = field(default_factory=list)
+    """(start, version): from index `start` on, the tokens' weight version (`weight_versions`),
+    one entry where it changes."""
     turns: list[Turn] = field(default_factory=list)
     text: bytes = b""
     """The bytes `token_ids` decode to: the prefix a continuing request must start with."""
@@ -119,6 +123,43 @@ class Segment:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """[T] 1 where the policy sampled the token (each turn's completion), 0 for prompt tokens."""
+        mask = [0] * len(self.token_ids)
+        for turn in self.turns:
+            mask[turn.completion_start : turn.completion_end] = [1] * (
+                turn.completion_end - turn.completion_start
+            )
+        return mask
+
+    @property
+    def logprobs(self) -> list[float]:
+        """[T] rollout logprob of each sampled token (processed distribution); 0.0 where mask is 0."""
+        logprobs = [0.0] * len(self.token_ids)
+        done = 0
+        for turn in self.turns:
+            n = turn.completion_end - turn.completion_start
+            logprobs[turn.completion_start : turn.completion_end] = self.sampled_logprobs[done : done + n]
+            done += n
+        return logprobs
+
+    @property
+    def weight_versions(self) -> list[int]:
+        """[T] weight version that sampled each token; NOT_SAMPLED (-1) where mask is 0."""
+        versions: list[int] = []
+        ends = [start for start, _ in self.version_runs[1:]] + [len(self.token_ids)]
+        for (start, version), end in zip(self.version_runs, ends, strict=True):
+            versions += [version] * (end - start)
+        return versions
+
+    def add_versions(self, versions: list[int]) -> None:
+        """Append the weight versions of the tokens just appended (`versions` ends at the end)."""
+        start = len(self.token_ids) - len(versions)
+        for i, version in enumerate(versions):
+            if not self.version_runs or self.version_runs[-1][1] != version:
+                self.version_runs.append((start + i, version))
 
 
 @dataclass(slots=True)

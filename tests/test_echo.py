@@ -356,7 +356,7 @@ def test_a_store_from_before_echo_views_opens_and_its_turns_continue_by_their_sa
             await old.close()
 
     [segment] = asyncio.run(reopen()).get("s").segments
-    assert segment.token_ids == [1, 2, 3] and segment.echo is None
+    assert segment.token_ids.tolist() == [1, 2, 3] and segment.echo is None
     with sqlite3.connect(db_path) as db:
         assert "echo" in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
 

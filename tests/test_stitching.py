@@ -90,7 +90,7 @@ def test_plan_without_commit_leaves_the_segment_unchanged(tokenizer):
     messages += [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}]
     rendered = tokenizer.render(messages, None, {})
     first = plan_prompt([segment], rendered, tokenizer)  # generation failed: nothing committed
-    assert (segment.token_ids, segment.loss_mask, segment.text, len(segment.turns)) == snapshot
+    assert (segment.token_ids.tolist(), segment.loss_mask, segment.text, len(segment.turns)) == snapshot
     retry = plan_prompt([segment], rendered, tokenizer)
     assert retry == first
 
@@ -135,7 +135,7 @@ def test_a_render_continues_the_chain_it_extends_furthest(tokenizer):
     assert plan_prompt(chains, render(elsewhere), tokenizer).segment == 0
     more_sub = [*sub, {"role": "assistant", "content": "Yes?"}, {"role": "user", "content": "Go"}]
     plan = plan_prompt(chains, render(more_sub), tokenizer)
-    assert plan.segment == 1 and plan.ids == other.token_ids + plan.new_ids
+    assert plan.segment == 1 and plan.ids == other.token_ids.tolist() + plan.new_ids
     opened = plan_prompt(chains, render([{"role": "user", "content": "New"}]), tokenizer)
     assert (
         opened.segment is None

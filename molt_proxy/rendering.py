@@ -1,0 +1,324 @@
+"""Incremental chat-template rendering: a turn renders what is new, not the whole history.
+
+Every request of a conversation carries its whole history, and the chat template renders it
+in time linear in its length (16 ms a turn at 200 turns, and once more for the reply's echo
+view). Templates are mostly message-local: a message renders from itself, its neighbours and
+the head of the conversation (the system prompt, the tools, Llama-3.2's date and first user
+message), not from messages far before it. Where that holds, a request `P + N` that extends
+an earlier one `P` (the previous turn's request, its messages equal) renders as `P`'s render
+followed by what a *window* adds: the head `A` (up to the first user message), the context `C`
+(a few messages before `N`, from one that follows an assistant message), then `N`:
+
+    render(P + N) = render(P) + (render(A + C + N) - render(A + C))
+
+Nothing of that is assumed; a window is used only where it is checked:
+- once per (tools, template kwargs), `render_probe.probe` renders a battery of conversations
+  both ways and allows windows for the kinds of request whose every case agreed byte for byte.
+  Messages with reasoning or the tokenizer's special strings are kinds of their own: Qwen3's
+  template drops the `<think>` of earlier turns when a user message follows (where they are
+  in the history, not only in the new messages, no window is used for it);
+- per request, the head must render alone as the start of both the earlier render and the
+  window's, the window's rest (context and generation prompt) must be exactly how the earlier
+  render ends (a date that changed, a template that counts messages, fail here), and the
+  window without `N` must be a prefix of the window with it (an appended message that
+  rewrites the context fails here).
+Anything else, an error included, renders the whole history, as before.
+
+Renders are cached by content, not by session (a request is rendered before its session is
+known: the render finds it), and each entry gives way to the one that extends it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from molt_proxy.errors import BadRequest
+from molt_proxy.render_probe import Windows, probe
+from molt_proxy.tokenizer import Tokenizer
+
+Messages = list[dict[str, Any]]
+
+CONTEXT = 2
+"""At least this many messages before the new ones go into a window: a message may render
+after its neighbour's role (Qwen3 opens a group of tool results only after a non-tool)."""
+_REACH = 8
+"""How much further back a window's context may start (to start after an assistant message),
+and how long an earlier window's context is reused before a new one is anchored."""
+LEAVE_OUT = 16
+"""A window leaves at least this many messages out, or the whole history is rendered: below
+that, one render of it costs less than a window's."""
+_PROBES = 256
+"""The (tools, kwargs) whose probe result is kept; the oldest goes first."""
+_CACHE_CHARS = 64 * 2**20
+"""The rendered characters the cache keeps (the messages they were rendered from come beside
+them, about as large): the least recently used go first."""
+
+
+@dataclass(slots=True, frozen=True)
+class Window:
+    """A window over some messages, for the next window over them to start from: the head
+    (`messages[:head]`) rendered alone, and with the messages from `start` on and a generation
+    prompt (`text`), as the render of those messages ends."""
+
+    head: int
+    alone: str
+    start: int
+    text: str
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One render: the messages, tools and kwargs it was rendered from, with the generation
+    prompt; whether any message carries reasoning or a special string; the template's windows;
+    the window it was rendered by, if one."""
+
+    messages: Messages
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any]
+    text: str
+    featured: bool
+    windows: Windows
+    window: Window | None
+    nested: list[int]
+    """The indices of the messages with a value other than a string or None (tool calls):
+    where `==` is not enough (JSON's `1`, `1.0` and `true` are equal in Python, and key order
+    is not compared)."""
+
+
+class Renders:
+    """The chat template's renders of one tokenizer, incremental where a window is checked."""
+
+    def __init__(self, tokenizer: Tokenizer, leave_out: int = LEAVE_OUT):
+        self.tokenizer = tokenizer
+        self.leave_out = leave_out
+        """The fewest messages a window leaves out (`LEAVE_OUT`; the probe's scripts are short)."""
+        self.windowed = 0
+        """How many renders a window served (the rest rendered the whole history)."""
+        self._entries: OrderedDict[tuple[int, str], _Entry] = OrderedDict()
+        self._chars = 0
+        self._windows: dict[str, Windows] = {}
+        self._lock = threading.Lock()
+        """Large requests render in worker threads beside the event loop's."""
+        specials = sorted(tokenizer.added_tokens, key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def render(self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+        """`Tokenizer.render(messages, tools, kwargs)`: the earlier render it extends and a
+        window where one is checked, else the whole history. The cache keeps `messages` (the
+        list itself: `after` finds its render by it), which must not change afterwards."""
+        parent = self._parent(messages, tools, kwargs)
+        text, window = None, None
+        if parent is None:
+            windows, featured, nested = (
+                self.windows(tools, kwargs),
+                self._featured(messages),
+                _nested(messages, 0),
+            )
+        else:
+            m = len(parent.messages)
+            windows, new = parent.windows, self._featured(messages[m:])
+            featured, nested = parent.featured or new, parent.nested + _nested(messages, m)
+            if windows.allow(parent.featured, new):
+                found = self.window(parent.text, m, messages, tools, kwargs, True, parent.window)
+                if found is not None:
+                    text, window = parent.text + found[0], found[1]
+                    self.windowed += 1
+        if text is None:
+            text = self.tokenizer.render(messages, tools, kwargs)
+        self._remember(_Entry(messages, tools, kwargs, text, featured, windows, window, nested), parent)
+        return text
+
+    def after(
+        self,
+        messages: Messages,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        text: str,
+        more: Messages,
+    ) -> str | None:
+        """What `render(messages + more)` without a generation prompt adds to `text`, the render
+        of `messages` with one; None where it does not start with `text`. The echo view's."""
+        entry = self._entries.get(_key(messages, len(messages)))
+        if entry is not None and entry.messages is messages:
+            windows, featured, earlier = entry.windows, entry.featured, entry.window
+        else:
+            windows, featured, earlier = self.windows(tools, kwargs), self._featured(messages), None
+        whole = messages + more
+        if windows.allow(featured, self._featured(more)):
+            found = self.window(text, len(messages), whole, tools, kwargs, False, earlier)
+            if found is not None:
+                self.windowed += 1
+                return found[0]
+        rendered = self.tokenizer.render(whole, tools, kwargs, add_generation_prompt=False)
+        return rendered[len(text) :] if rendered.startswith(text) else None
+
+    def windows(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Windows:
+        """The template's windows with these tools and kwargs, probed once (about 90 small
+        renders: tens of milliseconds, on the first request with them)."""
+        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
+        found = self._windows.get(key)
+        if found is None:
+            found = probe(self.tokenizer, tools, kwargs)
+            with self._lock:
+                self._windows[key] = found
+                if len(self._windows) > _PROBES:
+                    del self._windows[next(iter(self._windows))]
+        return found
+
+    def is_featured(self, message: dict[str, Any]) -> bool:
+        """Whether a message carries reasoning or one of the tokenizer's special strings: what
+        templates such as Qwen3's render differently by where the message stands."""
+        if message.get("reasoning_content") is not None or message.get("reasoning") is not None:
+            return True
+        special = self._special
+        return special is not None and any(special.search(s) for s in _strings(message))
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _featured(self, messages: Messages) -> bool:
+        return any(map(self.is_featured, messages))
+
+    def window(
+        self,
+        text: str,
+        m: int,
+        messages: Messages,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool,
+        earlier: Window | None = None,
+    ) -> tuple[str, Window] | None:
+        """What rendering `messages` adds to `text`, the render of `messages[:m]` with a
+        generation prompt, by a window (see the module), and the window; None where no window
+        applies or one of its checks fails. `earlier`: a window over `messages[:m]`, whose
+        renders this one reuses while its context is short. Callers check the probe first
+        (`Windows.allow`)."""
+        head = _head_end(messages)
+        if head is None or messages[-1].get("role") == "assistant":
+            return None
+        render = self.tokenizer.render
+        try:
+            if earlier is not None and earlier.head == head and m - earlier.start <= CONTEXT + _REACH:
+                alone, start, old = earlier.alone, earlier.start, earlier.text
+            else:
+                start = _context(messages, m, head, self.leave_out)
+                if start is None:
+                    return None
+                same_head = earlier is not None and earlier.head == head
+                alone = (
+                    earlier.alone
+                    if same_head
+                    else render(messages[:head], tools, kwargs, add_generation_prompt=False)
+                )
+                old = render(messages[:head] + messages[start:m], tools, kwargs)
+            new = render(
+                messages[:head] + messages[start:], tools, kwargs, add_generation_prompt=add_generation_prompt
+            )
+        except BadRequest:  # the whole render says whether, and how, the template refuses
+            return None
+        checked = (
+            old.startswith(alone)
+            and text.startswith(alone)
+            and len(text) >= len(old)
+            and text.endswith(old[len(alone) :])
+            and new.startswith(old)
+        )
+        return (new[len(old) :], Window(head, alone, start, new)) if checked else None
+
+    def _parent(
+        self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> _Entry | None:
+        """The cached render whose messages begin `messages`: the request itself (a retry, or
+        one of a group's identical first requests), else the one before its last assistant
+        messages (the previous turn's request)."""
+        for m in _seams(messages):
+            entry = self._entries.get(_key(messages, m))
+            if (
+                entry is not None
+                and repr(entry.kwargs) == repr(kwargs)
+                and entry.tools == tools  # the head, rendered again by every window, shows them
+                and entry.messages == messages[:m]
+                and list(map(list, entry.messages)) == list(map(list, messages[:m]))  # key order
+                and all(repr(entry.messages[i]) == repr(messages[i]) for i in entry.nested)
+            ):
+                return entry
+        return None
+
+    def _remember(self, entry: _Entry, parent: _Entry | None) -> None:
+        key = _key(entry.messages, len(entry.messages))
+        with self._lock:
+            if parent is not None:
+                self._drop(_key(parent.messages, len(parent.messages)))
+            self._drop(key)
+            self._entries[key] = entry
+            self._chars += len(entry.text)
+            while self._chars > _CACHE_CHARS and len(self._entries) > 1:
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._chars -= len(entry.text)
+
+
+def _key(messages: Messages, m: int) -> tuple[int, str]:
+    """Where the render of `messages[:m]` is cached: its length and its last message."""
+    return m, json.dumps(messages[m - 1], sort_keys=True, default=str) if m else ""
+
+
+def _nested(messages: Messages, start: int) -> list[int]:
+    """The indices from `start` on of the messages with a value other than a string or None."""
+    return [
+        i
+        for i in range(start, len(messages))
+        if any(type(v) is not str and v is not None for v in messages[i].values())
+    ]
+
+
+def _seams(messages: Messages) -> Iterator[int]:
+    """The lengths of the earlier requests `messages` may extend: itself, then up to each of
+    its last two assistant messages (a reply and the tool results or user message after it)."""
+    yield len(messages)
+    found = 0
+    for i in range(len(messages) - 1, 0, -1):
+        if messages[i].get("role") == "assistant":
+            yield i
+            found += 1
+            if found == 2:
+                return
+
+
+def _head_end(messages: Messages) -> int | None:
+    """One past the first user message: templates write the system prompt, the tools and
+    (Llama-3.2's, with tools) the first user message into a head of their own."""
+    return next((i + 1 for i, message in enumerate(messages) if message.get("role") == "user"), None)
+
+
+def _context(messages: Messages, m: int, head: int, leave_out: int) -> int | None:
+    """Where a window's context starts: at least `CONTEXT` messages before `m`, at a message that
+    follows an assistant message (where templates start a group of messages), after the head
+    with at least `leave_out` messages left out; None: no such message in reach."""
+    latest = m - CONTEXT
+    for start in range(latest, max(head + leave_out - 1, latest - _REACH), -1):
+        if messages[start - 1].get("role") == "assistant" and messages[start].get("role") != "assistant":
+            return start
+    return None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a message, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
