@@ -80,7 +80,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor) -> Packing | None:
     padded, width = len(rows), input_ids.shape[1]
     if count == padded or count * longest > padded * width or count * longest**2 > padded * width**2:
         return None
-    return _layout(input_ids, lengths, tree, node, starts, count, longest)
+    return _layout(input_ids, lengths, order, tree, node, starts, longest)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -94,47 +94,54 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _layout(
     input_ids: Tensor,
     lengths: list[int],
+    order: list[int],
     tree: Tensor,
     node: Tensor,
     starts: list[int],
-    count: int,
     longest: int,
 ) -> Packing:
-    """The packed tensors. Each row writes the nodes it added (from `starts[row]` on): their
-    token, position and the causal pattern over its own path, which is their ancestry."""
+    """The packed tensors. Rows in `order` (sorted) write the nodes they added, contiguous from
+    `starts[row]` on: their token, position and ancestry, which is their parent's ancestry (the
+    shared prefix, written by an earlier row) and the causal pattern over the new nodes."""
+    count = int(tree.max()) + 1
     ids = torch.zeros(count, longest, dtype=torch.long)
     positions = torch.zeros(count, longest, dtype=torch.long)
-    visible = torch.eye(longest, dtype=torch.bool).repeat(count, 1, 1)
-    for row, length in enumerate(lengths):
-        start, path, g = starts[row], node[row, :length], int(tree[row])
-        ids[g, path[start:]] = input_ids[row, start:length]
-        positions[g, path[start:]] = torch.arange(start, length)
-        causal = torch.arange(length)[None, :] <= torch.arange(start, length)[:, None]
-        visible[g, path[start:, None], path[None, :]] = causal
+    visible = torch.zeros(count, longest, longest, dtype=torch.bool)
+    visible.diagonal(dim1=1, dim2=2).fill_(True)
+    for row in order:
+        start, length, g = starts[row], lengths[row], int(tree[row])
+        if start == length:
+            continue  # the same tokens as the row before: no new node
+        first = int(node[row, start])
+        last = first + length - start
+        ids[g, first:last] = input_ids[row, start:length]
+        positions[g, first:last] = torch.arange(start, length)
+        new = visible[g, first:last]
+        if start:
+            new |= visible[g, int(node[row, start - 1])]
+        steps = torch.arange(last - first)
+        new[:, first:last] = steps[:, None] >= steps[None, :]
     return Packing(ids, positions, visible, tree, node)
 
 
 def _masks(model: nn.Module, packing: Packing, device: torch.device) -> Tensor | dict[str, Tensor]:
     """The 4D mask in the form the model's attention takes (bool for sdpa, additive for eager),
     per layer type when its layers differ (full and sliding-window attention)."""
-    config, positions = model.config, packing.position_ids
-    distance = positions[:, :, None] - positions[:, None, :]
+    config, positions, ancestry = model.config, packing.position_ids.to(device), packing.visible.to(device)
     window = getattr(config, "sliding_window", None)
     layer_types = set(
         getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
     )
     masks = {}
     for kind in layer_types:
-        visible = packing.visible
+        visible = ancestry
         if kind == "sliding_attention":
             # transformers' sliding_window_overlay: kv > q - window, in positions
-            visible = visible & (distance < window)
-        visible = visible[:, None].to(device)
+            visible = visible & (positions[:, None, :] > positions[:, :, None] - window)
+        visible = visible[:, None]
         if config._attn_implementation == "eager":
-            dtype = model.dtype
-            masks[kind] = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
-                ~visible, torch.finfo(dtype).min
-            )
+            zeros = torch.zeros(visible.shape, dtype=model.dtype, device=device)
+            masks[kind] = zeros.masked_fill(~visible, torch.finfo(model.dtype).min)
         else:
             masks[kind] = visible
     return next(iter(masks.values())) if len(masks) == 1 else masks
