@@ -165,7 +165,11 @@ def test_attempts_sharing_a_prompt_train_packed_on_two_workers_like_padded_rows_
     prompt = torch.randint(1000, (24,), generator=gen).tolist()
     records = [
         trajectory(
-            i, f"s{i}", token_ids=prompt + torch.randint(1000, (n,), generator=gen).tolist(), prompt=24
+            i,
+            f"s{i}",
+            token_ids=prompt + torch.randint(1000, (n,), generator=gen).tolist(),
+            prompt=24,
+            version=CURRENT - 1,
         )
         for i, n in enumerate((3, 8, 5, 7))
     ]
