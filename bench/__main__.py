@@ -35,6 +35,7 @@ BENCHMARKS = {
     "storage": "bench.storage",
     "stall": "bench.stall",
     "constrained": "bench.constrained",
+    "prefix": "bench.prefix",
 }
 RESULTS = HOME / "bench" / "RESULTS.md"
 HEADER = """# molt-proxy benchmarks

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from trainer import prefix
 from trainer.batch import Batch
 from trainer.config import LossConfig
 from trainer.loss import loss_denominator, policy_loss
@@ -50,7 +51,11 @@ from trainer.sampling import TokenSampling, processed_logprobs, processed_logpro
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: TokenSampling | None = None
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    sampling: TokenSampling | None = None,
+    share: bool = True,
 ) -> Tensor:
     """[B,T] float32 log p(token_t | tokens_<t), aligned to positions; 0.0 at position 0 and on
     padding. input_ids, attention_mask: [B,T], right-padded. `sampling` ([B,T]): the
@@ -64,9 +69,9 @@ def token_logprobs(
 
     Cost: the [B,T,V] float32 logits and the [B,T,V] log_softmax, which the backward keeps.
     At real vocabularies that is the trainer's largest tensor; chunking over T, or a fused
-    kernel, is the next step.
+    kernel, is the next step. `share`: rows' shared prefixes run once (`trainer/prefix.py`).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
     if sampling is None:
         picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
         picked = picked.squeeze(-1)
@@ -83,12 +88,13 @@ def token_logprobs_and_entropy(
     loss_mask: Tensor,
     *,
     entropy_grad: bool,
+    share: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """`token_logprobs`, and [B,T] the entropy of the distribution each token was drawn from,
     aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere): one forward, one
     log_softmax. With a gradient only when `entropy_grad` (an entropy bonus); logging it costs
     an exp and a dot over the vocabulary per trained token."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
     picked, entropy = processed_logprobs_and_entropy(
         logits, input_ids[:, 1:], sampling.shifted(), loss_mask[:, 1:].bool(), entropy_grad=entropy_grad
     )
@@ -155,6 +161,7 @@ class Policy:
         group (one per rank, `workers.TrainWorker`).
     reference: also hold a frozen copy of the initial weights, the reference of a KL penalty
         (`LossConfig.kl_coef`); it stays the initial weights when a checkpoint is loaded.
+    shared_prefix: compute the prefix rows share once (`trainer/prefix.py`); False: padded rows.
     """
 
     def __init__(
@@ -168,6 +175,7 @@ class Policy:
         device: str | torch.device = "cpu",
         fsdp: bool = False,
         reference: bool = False,
+        shared_prefix: bool = True,
     ):
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -176,7 +184,7 @@ class Policy:
             Path(model_dir) if Path(model_dir).is_dir() else Path(snapshot_download(str(model_dir)))
         )
         self.device = torch.device(device)
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.shared_prefix = max_grad_norm, shared_prefix
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32).to(self.device)
         # eval() for good: dropout would make the training forward disagree with the sampler.
         self.model = model.eval()
@@ -228,7 +236,9 @@ class Policy:
     def logprobs(self, micro_batch: Batch) -> Tensor:
         """[B,T] `token_logprobs` of a micro-batch under the current weights, on `device`."""
         mb = micro_batch.to(self.device)
-        return token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.sampling)
+        return token_logprobs(
+            self.model, mb.input_ids, mb.attention_mask, mb.sampling, share=self.shared_prefix
+        )
 
     def reference_logprobs(self, micro_batch: Batch) -> Tensor:
         """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`."""
@@ -236,7 +246,9 @@ class Policy:
             raise RuntimeError("this Policy holds no reference model (Policy(reference=True))")
         mb = micro_batch.to(self.device)
         with torch.no_grad():
-            return token_logprobs(self.reference, mb.input_ids, mb.attention_mask, mb.sampling)
+            return token_logprobs(
+                self.reference, mb.input_ids, mb.attention_mask, mb.sampling, share=self.shared_prefix
+            )
 
     def train_step(
         self,
@@ -280,6 +292,7 @@ class Policy:
                 mb.sampling,
                 mb.loss_mask,
                 entropy_grad=loss.entropy_coef > 0,
+                share=self.shared_prefix,
             )
             value, metrics = policy_loss(
                 logprobs,

@@ -41,8 +41,19 @@ class Stream:
 
 
 def group(first_seq: int, name: str, rewards: tuple[float, float], version: int, logprob: float = -1.0):
+    """Two episodes that share their prompt and differ in every sampled token. Identical ones with
+    opposite advantages have a gradient of exactly 0 (their shared tokens are computed once):
+    only rounding noise, which Adam's first step would blow up to a full step of lr."""
     return [
-        trajectory(first_seq + i, f"{name}-{i}", name, reward, version=version, logprobs=[logprob, logprob])
+        trajectory(
+            first_seq + i,
+            f"{name}-{i}",
+            name,
+            reward,
+            token_ids=[1, 2, 3 + 2 * i, 4 + 2 * i],
+            version=version,
+            logprobs=[logprob, logprob],
+        )
         for i, reward in enumerate(rewards)
     ]
 

@@ -18,9 +18,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from devtools import build_tiny_model
+from tests.trainer.builders import trajectory
 from tests.trainer.test_policy import CURRENT, LOSS, SHAPES, trajectories
 from trainer.batch import collate
 from trainer.policy import Policy
+from trainer.prefix import pack
 from trainer.workers import DataParallelPolicy, TrainWorker
 
 pytestmark = pytest.mark.timeout(600)
@@ -152,6 +154,37 @@ def test_ppo_epochs_and_mini_batches_on_the_workers_make_the_updates_of_one_poli
     assert_close_per_tensor(state["model"], single.model.state_dict(), tolerance=1e-4)
     assert state["optimizer"]["state"]["lm_head.weight"]["step"] == 4
     workers_lr(workers, 1e-4)
+
+
+def test_attempts_sharing_a_prompt_train_packed_on_two_workers_like_padded_rows_on_one_policy(
+    workers: DataParallelPolicy, model_dir: Path
+) -> None:
+    single = Policy(model_dir, lr=1e-4, shared_prefix=False)
+    workers.load_state_dict(single.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1000, (24,), generator=gen).tolist()
+    records = [
+        trajectory(
+            i,
+            f"s{i}",
+            token_ids=prompt + torch.randint(1000, (n,), generator=gen).tolist(),
+            prompt=24,
+            version=CURRENT - 1,
+        )
+        for i, n in enumerate((3, 8, 5, 7))
+    ]
+    micro_batch = collate(records, [1.5, -0.5, 1.0, -2.0])
+    # each rank gets two attempts, and runs their prompt once
+    assert all(pack(part.input_ids, part.attention_mask) is not None for part in micro_batch.split(2))
+
+    expected = single.ppo_step([[micro_batch]], CURRENT, LOSS)
+    got = workers.ppo_step([[micro_batch]], CURRENT, LOSS)
+
+    assert got["kept_tokens"] == expected["kept_tokens"] == 3 + 8 + 5 + 7
+    for key in ("loss", "grad_norm", "is_ratio_mean", "approx_kl"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert_close_per_tensor(gradients(workers), {n: p.grad for n, p in single.model.named_parameters()})
+    assert_close_per_tensor(workers.state_dict()["model"], single.model.state_dict())
 
 
 def workers_lr(workers: DataParallelPolicy, lr: float) -> None:
