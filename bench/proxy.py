@@ -7,6 +7,9 @@ names; aiohttp client: the one molt-proxy uses), and LiteLLM's proxy as an OpenA
 pass-through. `direct` is the load generator talking to the mock itself: "added" latency
 is a front-end's latency minus direct's at the same concurrency, in the same repetition.
 
+`MOLT_BENCH_BEFORE=DIR` adds molt-proxy as exported in DIR (an earlier commit, `git archive`),
+as `molt-proxy (before)`, so that a change is measured beside what it changed.
+
 Front-ends are measured round-robin, repetition by repetition, so a burst of someone
 else's work on this shared machine lands on all of them rather than on one.
 """
@@ -14,6 +17,7 @@ else's work on this shared machine lands on all of them rather than on one.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 from dataclasses import dataclass
@@ -153,6 +157,14 @@ def run(quick: bool = False) -> Section:
         molt = proxy_server("molt-proxy", model, mock.url, db)
         children.append(molt.start())
         frontends.append(Frontend("molt-proxy", molt.url))
+        before = os.environ.get("MOLT_BENCH_BEFORE")
+        if before:
+            for path in OUT.glob("proxy-bench-before.db*"):
+                path.unlink()
+            db_before = OUT / "proxy-bench-before.db"
+            old = proxy_server("molt-proxy-before", model, mock.url, db_before, Path(before))
+            children.append(old.start())
+            frontends.append(Frontend("molt-proxy (before)", old.url))
         if LITELLM.exists():
             key = "sk-" + secrets.token_hex(24)
             try:
@@ -238,6 +250,18 @@ def run(quick: bool = False) -> Section:
             section.body.append(
                 f"molt-proxy / LiteLLM requests/s, {'streaming' if streaming else 'non-streaming'}: "
                 + ", ".join(f"{c} sessions {ratio(molt[c], lite[c])}" for c in concurrencies)
+                + "."
+            )
+    if any(f.name == "molt-proxy (before)" for f in frontends):
+        for streaming in modes:
+            new, old = (
+                {c: median([r["rps"] for r in results[(name, c, streaming)]]) for c in concurrencies}
+                for name in ("molt-proxy", "molt-proxy (before)")
+            )
+            mode = "streaming" if streaming else "non-streaming"
+            section.body.append(
+                f"molt-proxy / molt-proxy (before) requests/s, {mode}: "
+                + ", ".join(f"{c} sessions {ratio(new[c], old[c])}" for c in concurrencies)
                 + "."
             )
     if stream:

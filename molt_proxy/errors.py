@@ -8,8 +8,9 @@
     ├── NotFound                  404 not_found_error
     ├── Conflict                  409 conflict_error
     ├── PayloadTooLarge           413 invalid_request_error
-    └── UpstreamError             502 upstream_error
-        └── UpstreamUnavailable   503 service_unavailable
+    ├── UpstreamError             502 upstream_error
+    │   └── UpstreamUnavailable   503 service_unavailable
+    └── StoreUnavailable          503 service_unavailable / store_unavailable
 
 Raise these anywhere; `app.py` maps them to the OpenAI error body once, or to Anthropic's
 (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes: each error also
@@ -92,5 +93,16 @@ class UpstreamError(MoltError):
 class UpstreamUnavailable(UpstreamError):
     status = 503
     type = "service_unavailable"
+    anthropic_type = "overloaded_error"
+    anthropic_status = 529
+
+
+class StoreUnavailable(MoltError):
+    """A write to the store failed (`store_writer.py`): nothing of it was kept, in memory or on
+    disk, so the request may be sent again."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "store_unavailable"
     anthropic_type = "overloaded_error"
     anthropic_status = 529

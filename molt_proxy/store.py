@@ -14,7 +14,9 @@ session. A trajectory's `data` is its JSON, compact and zlib-compressed (prompt 
 logprob and version are runs of one value): readers get the same JSON back, and rows written
 before, as plain JSON text, read as they are.
 
-All SQL runs on one dedicated thread with one connection; callers await it.
+All SQL runs on one dedicated thread with one connection; callers await it. Writes are
+group-committed (`store_writer.py`): the turns that wait at the same moment share one
+transaction and one fsync, and each caller resumes once its transaction has committed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from molt_proxy.store_migrations import (
     make_private,
 )
 from molt_proxy.store_responses import SCHEMA as RESPONSES_SCHEMA
+from molt_proxy.store_writer import GroupCommit, Write
 from molt_proxy.types import Generation, Sampling, SessionStatus, StoredSession, StoredTurn, Trajectory
 
 T = TypeVar("T")
@@ -146,6 +149,14 @@ class Store:
         self.path = str(path)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molt-store")
         self._db: sqlite3.Connection | None = None
+        self.writer = GroupCommit(self._run, lambda: self.db)
+
+    async def _write(self, write: Write) -> Any:
+        """`write(db)` committed with the writes batched with it (`store_writer.py`)."""
+        return await self.writer.write(write)
+
+    async def _execute(self, sql: str, params: tuple[Any, ...]) -> None:
+        await self._write(lambda db: db.execute(sql, params))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -168,6 +179,7 @@ class Store:
         self._db = db
 
     async def close(self) -> None:
+        await self.writer.drain()
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
@@ -186,8 +198,7 @@ class Store:
     # -- sessions --------------------------------------------------------------------------
 
     async def create_session(self, session: StoredSession) -> None:
-        await self._run(
-            self.db.execute,
+        await self._execute(
             "INSERT INTO sessions (id, group_id, api_key_hash, owner, inferred, status, created)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
@@ -246,8 +257,7 @@ class Store:
 
     async def record_turn(self, session_id: str, turn: StoredTurn) -> None:
         g = turn.generation
-        await self._run(
-            self.db.execute,
+        await self._execute(
             "INSERT INTO turns (completion_id, session_id, segment, new_ids, sampled_ids, logprobs,"
             " versions, finish_reason, created, request_hash, reply, sampling, idempotency_key, constrained,"
             " echo)"
@@ -283,17 +293,14 @@ class Store:
         return await self._run(query)
 
     async def set_turn_reward(self, completion_id: str, reward: float) -> None:
-        await self._run(
-            self.db.execute, "UPDATE turns SET reward = ? WHERE completion_id = ?", (reward, completion_id)
-        )
+        await self._execute("UPDATE turns SET reward = ? WHERE completion_id = ?", (reward, completion_id))
 
     # -- weights ---------------------------------------------------------------------------
 
     async def save_weights(self, path: str, version: int) -> None:
         """The weights the replicas serve: a replica that (re)starts later gets them first,
         even across a proxy restart."""
-        await self._run(
-            self.db.execute,
+        await self._execute(
             "INSERT INTO weights (id, path, version) VALUES (0, ?, ?)"
             " ON CONFLICT(id) DO UPDATE SET path = excluded.path, version = excluded.version",
             (path, version),
@@ -320,38 +327,9 @@ class Store:
         """Mark the session closed, append its trajectories and drop its turn rows (keeping
         which session each completion id belongs to), atomically; returns the trajectories with
         their `seq` set."""
-        return await self._run(self._close_session, session_id, status, reward, info, closed, trajectories)
-
-    def _close_session(self, session_id, status, reward, info, closed, trajectories):
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute(
-                "UPDATE sessions SET status = ?, reward = ?, info = ?, closed = ? WHERE id = ?",
-                (status.value, reward, json.dumps(info), closed, session_id),
-            )
-            for trajectory in trajectories:
-                cursor = db.execute(
-                    "INSERT INTO trajectories (trajectory_id, session_id, data) VALUES (?, ?, '')",
-                    (trajectory.trajectory_id, session_id),
-                )
-                trajectory.seq = cursor.lastrowid
-                db.execute(
-                    "UPDATE trajectories SET data = ? WHERE seq = ?",
-                    (_encode_trajectory(trajectory.to_json()), trajectory.seq),
-                )
-            db.execute(
-                "INSERT INTO completions (completion_id, session_id)"
-                " SELECT completion_id, session_id FROM turns WHERE session_id = ?",
-                (session_id,),
-            )
-            db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
-            db.execute("DELETE FROM responses WHERE session_id = ?", (session_id,))  # nothing continues them
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return trajectories
+        return await self._write(
+            lambda db: _close_session(db, session_id, status, reward, info, closed, trajectories)
+        )
 
     async def trajectories_after(self, seq: int, limit: int) -> list[dict[str, Any]]:
         def query() -> list[dict[str, Any]]:
@@ -361,6 +339,39 @@ class Store:
             return [_decode_trajectory(row[0]) for row in rows]
 
         return await self._run(query)
+
+
+def _close_session(
+    db: sqlite3.Connection,
+    session_id: str,
+    status: SessionStatus,
+    reward: float | None,
+    info: dict[str, Any],
+    closed: float,
+    trajectories: list[Trajectory],
+) -> list[Trajectory]:
+    db.execute(
+        "UPDATE sessions SET status = ?, reward = ?, info = ?, closed = ? WHERE id = ?",
+        (status.value, reward, json.dumps(info), closed, session_id),
+    )
+    for trajectory in trajectories:
+        cursor = db.execute(
+            "INSERT INTO trajectories (trajectory_id, session_id, data) VALUES (?, ?, '')",
+            (trajectory.trajectory_id, session_id),
+        )
+        trajectory.seq = cursor.lastrowid
+        db.execute(
+            "UPDATE trajectories SET data = ? WHERE seq = ?",
+            (_encode_trajectory(trajectory.to_json()), trajectory.seq),
+        )
+    db.execute(
+        "INSERT INTO completions (completion_id, session_id)"
+        " SELECT completion_id, session_id FROM turns WHERE session_id = ?",
+        (session_id,),
+    )
+    db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
+    db.execute("DELETE FROM responses WHERE session_id = ?", (session_id,))  # nothing continues them
+    return trajectories
 
 
 def _encode_trajectory(data: dict[str, Any]) -> bytes:

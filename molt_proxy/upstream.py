@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import aiohttp
+import orjson
 
 from molt_proxy import lora
 from molt_proxy.errors import BadRequest, MoltError, UpstreamError, UpstreamUnavailable
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 # integers (`/update_weight_version`), so "default" is version 0.
 _INITIAL_VERSION = "default"
 _GENERATE = "/inference/v1/generate"
+_JSON_HEADERS = {"content-type": "application/json"}
 
 SessionFactory = Callable[[], aiohttp.ClientSession]
 """Builds the HTTP client when an `Upstream` opens (inside the event loop, where aiohttp wants
@@ -204,8 +206,11 @@ class Upstream:
         response inside the `async with` is covered by the same error translation."""
         if self._session is None:
             raise UpstreamUnavailable(f"the client for vLLM at {self.base_url} is not open")
+        data = None if payload is None else orjson.dumps(payload)
+        headers = None if payload is None else _JSON_HEADERS
+        url = f"{self.base_url}{path}"
         with _translated(self.base_url):
-            async with self._session.request(method, f"{self.base_url}{path}", json=payload) as resp:
+            async with self._session.request(method, url, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, await resp.text())
                 yield resp
@@ -363,6 +368,12 @@ def _translated(base_url: str) -> Iterator[None]:
 
 
 def _decode(data: bytes) -> Any:
+    """vLLM's JSON, read by orjson; by Python's `json` if orjson refuses it (vLLM writes a
+    logprob of minus infinity as `-Infinity`, which only `json` reads)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(data)
     except ValueError as exc:

@@ -12,6 +12,10 @@ body:
   of 4,300 digits is far past any field's meaning);
 - nesting deeper than `MAX_DEPTH` objects and arrays;
 - lone surrogates in any string or key.
+
+Most bodies are read by orjson, about ten times faster, where its reading provably equals the
+strict one's and passes these checks (`_fast`); any other body, and every refused one, is
+read by Python's `json` and checked value by value, so what is refused and how is the same.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import math
 import re
 from typing import Any
 
+import orjson
+
 from molt_proxy.errors import BadRequest
 
 MAX_DEPTH = 64
@@ -28,6 +34,10 @@ MAX_DEPTH = 64
 the bound keeps templates, pydantic and `json.dumps` far from Python's recursion limit."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
+_LONG_NUMBER = b"0" * 19
+"""19 digits in a row (digits read as 0): an integer that may be outside int64, which orjson
+reads as a float. A search by `bytes.translate` and `in`, ten times faster than a regex."""
 
 
 def decode_json_object(body: bytes, *, allow_empty: bool = False) -> dict[str, Any]:
@@ -35,14 +45,48 @@ def decode_json_object(body: bytes, *, allow_empty: bool = False) -> dict[str, A
     `param` naming the offending value (`info.score`, `messages.0.content`)."""
     if allow_empty and not body.strip():
         return {}
+    data = _fast(body)
+    if data is None:
+        data = _strict(body)
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def _fast(body: bytes) -> Any | None:
+    """orjson's reading of `body`, where it is the strict one's and passes its checks; None:
+    read it strictly. orjson refuses what the checks refuse but nesting and integers: it
+    reads an integer past 2^64 as a float (one with 19 digits or more is read strictly) and
+    nests to 1,024 levels (a body with more than `MAX_DEPTH` brackets is measured)."""
+    if _LONG_NUMBER in body.translate(_DIGITS_AS_ZERO):
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(data) > MAX_DEPTH:
+        return None
+    return data
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in `value` (a scalar: 0). Iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest if isinstance(value, dict | list) else 0
+
+
+def _strict(body: bytes) -> Any:
     try:
         data = json.loads(body, parse_constant=float, parse_int=_int)
     except RecursionError:
         raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"the request body is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
     check_json_safe(data)
     return data
 
