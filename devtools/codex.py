@@ -8,11 +8,12 @@ answers with the script (`capture`), and turns the requests it sent into the con
 tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND` (Codex runs it in
 its sandbox and sends the output back), then answers `ANSWER`.
 
-`write_config` keeps the prompt lean: no plugins, apps, goals, sub-agents, skills, web search
-or image tool (about 5k tokens remain: the base prompt and 3 tools). What differs from run to
-run — the date, the temporary folder that holds `CODEX_HOME` and the working directory
-(`run_codex` puts both under one `root`), and the chunk id and wall time Codex writes into a
-tool's output — is varied while teaching (`Conversation.vary`).
+`write_config` keeps the prompt lean: no plugins, apps, goals, sub-agents, skills, web search,
+image or user-input tool; about 4.6k Qwen3 tokens remain (the base prompt, a sandbox note, the
+environment, 2 tools: `exec_command`, `write_stdin`). What differs from run to run — the
+date, the temporary folder that holds `CODEX_HOME` and the working directory (`run_codex` puts
+both under one `root`), and the chunk id and wall time Codex writes into a tool's output — is
+varied while teaching (`Conversation.vary`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ CLI = Path(__file__).resolve().parents[1] / ".tools" / "node_modules" / ".bin" /
 """Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
 
 MODEL = "tiny"
+"""The `model` name: only a name to the proxy (Codex does not write it into its prompt)."""
 TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The `exec_command` call the model makes: it writes the file and prints `hi` into the output."""
