@@ -47,8 +47,13 @@ COMMAND = "echo hi | tee hi.txt"
 ANSWER = "Done: hi.txt says hi."
 
 # Text that differs between runs, and what teaching shows the model in its place.
-_TEACH_ROOTS = [
-    f"/tmp/{name}" for name in ("codex-4k2x9a1q", "pytest-of-ci/pytest-17/test_codex0", "tmpz8w_3nb")
+_TEACH_ROOTS = [  # as `examples/codex.py`, `tests/test_codex.py` (under xdist) and `tempfile` name them
+    f"/tmp/{name}"
+    for name in (
+        "codex-4k2x9a1q",
+        "pytest-of-ci/pytest-17/popen-gw1/test_the_example_runs_its_comm0",
+        "tmpz8w_3nb",
+    )
 ]
 _TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027, 8, 30)]
 _TEACH_CHUNKS = ["3f9a1c", "b07e52", "e41d6a", "5c2f80"]

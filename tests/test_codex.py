@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from devtools.codex import COMMAND, installed, recording_server
+from devtools.codex import ANSWER, COMMAND, installed, recording_server
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.responses import conversation, decode_responses_request
 from tests.helpers import assert_exact, trajectories
@@ -56,4 +56,7 @@ def test_the_example_runs_its_command_in_one_exact_segment_named_by_codex(
         turned = conversation(decode_responses_request(json.dumps(body).encode()), [])
         rendered = tokenizer.render(turned.messages, turned.tools, turned.template_kwargs)
         assert record["token_ids"][: turn["completion_start"]] == tokenizer.encode(rendered)
+    last = record["turns"][-1]
+    answer = tokenizer.ids_bytes(record["token_ids"][last["completion_start"] : last["completion_end"]])
+    assert answer.decode() == ANSWER + "<|im_end|>"  # the model answered as taught
     assert_exact(record, qwen3_model)
