@@ -8,12 +8,11 @@ answers with the script (`capture`), and turns the requests it sent into the con
 tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND` (Codex runs it in
 its sandbox and sends the output back), then answers `ANSWER`.
 
-`write_config` keeps the prompt lean: no plugins, apps, goals, sub-agents, skills, web search,
-image or user-input tool; about 4.6k Qwen3 tokens remain (the base prompt, a sandbox note, the
-environment, 2 tools: `exec_command`, `write_stdin`). What differs from run to run — the
-date, the temporary folder that holds `CODEX_HOME` and the working directory (`run_codex` puts
-both under one `root`), and the chunk id and wall time Codex writes into a tool's output — is
-varied while teaching (`Conversation.vary`).
+`write_config` keeps the prompt lean and the same from run to run: no plugins, apps, goals,
+sub-agents, skills, web search, image or user-input tool, no sandbox note and no environment
+message (which name the folder and the date); the base prompt and 2 tools (`exec_command`,
+`write_stdin`) remain. What still differs between runs — the chunk id and wall time Codex
+writes into a tool's output — is varied while teaching (`Conversation.vary`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import date
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -46,16 +44,7 @@ COMMAND = "echo hi | tee hi.txt"
 """The `exec_command` call the model makes: it writes the file and prints `hi` into the output."""
 ANSWER = "Done: hi.txt says hi."
 
-# Text that differs between runs, and what teaching shows the model in its place.
-_TEACH_ROOTS = [  # as `examples/codex.py`, `tests/test_codex.py` (under xdist) and `tempfile` name them
-    f"/tmp/{name}"
-    for name in (
-        "codex-4k2x9a1q",
-        "pytest-of-ci/pytest-17/popen-gw1/test_the_example_runs_its_comm0",
-        "tmpz8w_3nb",
-    )
-]
-_TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027, 8, 30)]
+# Text that differs between runs (in a tool's output), and what teaching shows the model in its place.
 _TEACH_CHUNKS = ["3f9a1c", "b07e52", "e41d6a", "5c2f80"]
 _TEACH_WALL_TIMES = ["0.0000", "0.0132", "0.0051", "0.1038"]
 
@@ -75,6 +64,7 @@ def write_config(home: Path, base_url: str) -> None:
         'model_provider = "molt"\n'
         "check_for_update_on_startup = false\n"
         'web_search = "disabled"\n'
+        "include_permissions_instructions = false\ninclude_environment_context = false\n"
         "\n[analytics]\nenabled = false\n"
         "\n[features]\n"
         "plugins = false\napps = false\ngoals = false\nimage_generation = false\nview_image = false\n"
@@ -212,14 +202,11 @@ def codex_episode() -> list[Conversation]:
     from molt_proxy.wire.responses import conversation, decode_responses_request
 
     with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
-        root = Path(folder).resolve()
-        _, last = capture(root)
+        _, last = capture(Path(folder))
     decoded = conversation(decode_responses_request(json.dumps(last).encode()), [])
     output = tool_output(last)
     chunk, wall = (re.search(rf"{name}: .*", output)[0] for name in ("Chunk ID", "Wall time"))
     vary = {
-        str(root): _TEACH_ROOTS,
-        date.today().isoformat(): [d.isoformat() for d in _TEACH_DAYS],
         chunk: [f"Chunk ID: {c}" for c in _TEACH_CHUNKS],
         wall: [f"Wall time: {t} seconds" for t in _TEACH_WALL_TIMES],
     }
