@@ -7,7 +7,7 @@ OpenAI Responses API.
 
 It builds the tiny Qwen3 model (which learned this episode from what the installed CLI sends,
 `devtools/codex.py`), starts molt-proxy with vLLM on CPU (an 8k context: Codex's prompt is
-about 4.6k tokens with its optional features off), and runs `codex exec "Write hi to hi.txt"`
+about 4.3k tokens with its optional parts off), and runs `codex exec "Write hi to hi.txt"`
 in a fresh git repository, its provider's `base_url` naming a session (`/s/<session>/v1`). The
 model calls `exec_command` (`echo hi | tee hi.txt`), Codex runs it in its sandbox and sends
 the output back, the model answers; the reward is whether the repository's one change is
