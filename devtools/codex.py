@@ -1,0 +1,214 @@
+"""Codex CLI, the real one, as a harness for the tiny Qwen3 model: where it is installed, how to
+run it offline, and the episode the model learns from what it really sends.
+
+`scripts/setup.sh` installs the pinned CLI (`CLI_VERSION`, from npm) under the checkout's
+`.tools/`. Codex's prompt is OpenAI's text, and it changes between versions, so the project
+keeps no copy of it: `codex_episode()` runs the installed CLI against a stand-in server that
+answers with the script (`capture`), and turns the requests it sent into the conversation the
+tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND` (Codex runs it in
+its sandbox and sends the output back), then answers `ANSWER`.
+
+`write_config` keeps the prompt lean and the same from run to run: no plugins, apps, goals,
+sub-agents, skills, web search, image or user-input tool, no sandbox note and no environment
+message (which name the folder and the date); the base prompt and 2 tools (`exec_command`,
+`write_stdin`) remain. What still differs between runs — the chunk id and wall time Codex
+writes into a tool's output — is varied while teaching (`Conversation.vary`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devtools.scripts import Conversation
+
+CLI_VERSION = "0.171.0"
+CLI = Path(__file__).resolve().parents[1] / ".tools" / "node_modules" / ".bin" / "codex"
+"""Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
+
+MODEL = "tiny"
+"""The `model` name: only a name to the proxy (Codex does not write it into its prompt)."""
+TASK = "Write hi to hi.txt"
+COMMAND = "echo hi | tee hi.txt"
+"""The `exec_command` call the model makes: it writes the file and prints `hi` into the output."""
+ANSWER = "Done: hi.txt says hi."
+
+# Text that differs between runs (in a tool's output), and what teaching shows the model in its place.
+_TEACH_CHUNKS = ["3f9a1c", "b07e52", "e41d6a", "5c2f80"]
+_TEACH_WALL_TIMES = ["0.0000", "0.0132", "0.0051", "0.1038"]
+
+
+def installed() -> bool:
+    """Whether `scripts/setup.sh` installed the CLI."""
+    return CLI.exists()
+
+
+def write_config(home: Path, base_url: str) -> None:
+    """`home/config.toml`: the Responses API at `base_url` (`…/v1`, or `…/s/<session>/v1`) as
+    the only provider, nothing that calls out (updates, analytics, web search), and the features
+    that add tools or prompt text to every request off."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\n'
+        'model_provider = "molt"\n'
+        "check_for_update_on_startup = false\n"
+        'web_search = "disabled"\n'
+        "include_permissions_instructions = false\ninclude_environment_context = false\n"
+        "\n[analytics]\nenabled = false\n"
+        "\n[features]\n"
+        "plugins = false\napps = false\ngoals = false\nimage_generation = false\nview_image = false\n"
+        "\n[agents]\nenabled = false\n"
+        "\n[skills]\ninclude_instructions = false\n"
+        "\n[tools.experimental_request_user_input]\nenabled = false\n"
+        "\n[model_providers.molt]\n"
+        'name = "molt-proxy"\n'
+        f'base_url = "{base_url}"\n'
+        'env_key = "MOLT_API_KEY"\n'
+        'wire_api = "responses"\n'
+    )
+
+
+def codex_env(root: Path) -> dict[str, str]:
+    """The environment Codex runs offline in: its `CODEX_HOME` (config, sessions) under `root`,
+    a fixed shell and time zone (both appear in its prompt)."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(root / "home"),
+        "CODEX_HOME": str(root / "home" / ".codex"),
+        "MOLT_API_KEY": "sk-molt",
+        "SHELL": "/bin/bash",
+        "TZ": "UTC",
+    }
+
+
+def run_codex(base_url: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """`codex exec TASK` in `root/work`, a git repository (made if missing; Codex asks for
+    one), sandboxed to write there (and in /tmp), its home in `root/home`, against the
+    Responses API at `base_url`; returns the finished process (stdout: its final answer)."""
+    env = codex_env(root)
+    write_config(Path(env["CODEX_HOME"]), base_url)
+    work = root / "work"
+    if not (work / ".git").exists():
+        subprocess.run(["git", "init", "-q", str(work)], check=True)
+    command = [str(CLI), "exec", "--sandbox", "workspace-write", "--color", "never", TASK]
+    return subprocess.run(
+        command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+    )
+
+
+# --- What Codex sends ---------------------------------------------------------------------
+
+
+def _reply_events(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The script's answer to one request, as Responses stream events."""
+    if body["input"][-1].get("type") == "function_call_output":
+        text = {"type": "output_text", "text": ANSWER, "annotations": []}
+        item = {"type": "message", "id": "msg_1", "role": "assistant", "content": [text]}
+    else:
+        arguments = json.dumps({"cmd": COMMAND})
+        item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "exec_command"}
+        item |= {"arguments": arguments, "status": "completed"}
+    response = {"id": "resp_1", "object": "response", "model": MODEL, "output": []}
+    usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}
+    return [
+        {"type": "response.created", "response": {**response, "status": "in_progress"}},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": {**response, "status": "completed", "usage": usage}},
+    ]
+
+
+@contextmanager
+def recording_server(forward_to: str | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A Responses API on a free port that records every request body, in order, and answers
+    with the script, or passes the request on to `forward_to` (a molt-proxy, or one of its
+    `/s/<session>` paths) and streams its answer back; yields its `/v1` URL and the bodies."""
+    bodies: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            bodies.append(json.loads(raw))
+            if forward_to:
+                return self._forward(forward_to, raw)
+            events = "".join(
+                f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in _reply_events(bodies[-1])
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(events.encode())))
+            self.end_headers()
+            self.wfile.write(events.encode())
+
+        def _forward(self, url: str, raw: bytes) -> None:
+            skip = {"host", "content-length", "connection", "accept-encoding"}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+            with httpx.stream("POST", url + self.path, content=raw, headers=headers, timeout=600) as answer:
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
+                self.send_header("Connection", "close")  # the body ends where the connection does
+                self.end_headers()
+                for chunk in answer.iter_raw():
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def capture(root: Path) -> list[dict[str, Any]]:
+    """The request bodies one `run_codex` sends, answered by the script, in order."""
+    with recording_server() as (url, bodies):
+        done = run_codex(url, root)
+    if done.returncode != 0 or done.stdout.strip() != ANSWER:
+        raise RuntimeError(f"codex exec did not finish the script: {done.returncode} {done.stderr[-2000:]}")
+    return bodies
+
+
+def tool_output(body: dict[str, Any]) -> str:
+    """The output of the call a request answers: what Codex sent back for `COMMAND`."""
+    last = body["input"][-1]
+    assert last["type"] == "function_call_output", last
+    return last["output"]
+
+
+def codex_episode() -> list[Conversation]:
+    """The conversation the tiny Qwen3 model learns for Codex (see the module's docstring);
+    none where the CLI is not installed."""
+    if not installed():
+        return []
+    from molt_proxy.wire.responses import conversation, decode_responses_request
+
+    with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
+        _, last = capture(Path(folder))
+    decoded = conversation(decode_responses_request(json.dumps(last).encode()), [])
+    output = tool_output(last)
+    chunk, wall = (re.search(rf"{name}: .*", output)[0] for name in ("Chunk ID", "Wall time"))
+    vary = {
+        chunk: [f"Chunk ID: {c}" for c in _TEACH_CHUNKS],
+        wall: [f"Wall time: {t} seconds" for t in _TEACH_WALL_TIMES],
+    }
+    messages = [*decoded.messages, {"role": "assistant", "content": ANSWER}]
+    return [{"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}]
