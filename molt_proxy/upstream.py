@@ -5,8 +5,7 @@ takes the exact prompt ids and returns the sampled ids, their logprobs (with the
 alternatives at each position when an agent asks for `top_logprobs`) and per-token weight
 versions. A vLLM upgrade that moves these fields touches this file only.
 
-The client is aiohttp: measured on these machines it sustains about ten times httpx's
-request rate at 64 concurrent requests (DESIGN §4), and this is the per-token path.
+The client is aiohttp, the per-token path: here it sustains ~10x httpx's rate (DESIGN §4).
 The seam is the `session` factory `Upstream` takes (httpx's `MockTransport` idea): by default
 it builds production's `aiohttp.ClientSession`; a test may hand it any session, pointed
 anywhere. Every HTTP exchange goes through `Upstream._send`, and there, once, aiohttp's
@@ -17,9 +16,8 @@ failure, or a body that is not JSON, is `UpstreamError` (502). vLLM's own 5xx an
 rejects) are `BadRequest` with vLLM's message, since they are the caller's input.
 
 With a LoRA name (`lora.py`), a weights push loads an adapter instead, each request names the
-newest adapter loaded, and its tokens carry that adapter's version.
-
-It does not route: `replicas.py` decides which `Upstream` serves a request.
+newest adapter loaded, and its tokens carry that adapter's version. It does not route:
+`replicas.py` decides which `Upstream` serves a request.
 """
 
 from __future__ import annotations
