@@ -6,14 +6,14 @@ alternatives at each position when an agent asks for `top_logprobs`) and per-tok
 versions. A vLLM upgrade that moves these fields touches this file only.
 
 The client is aiohttp, the per-token path: here it sustains ~10x httpx's rate (DESIGN §4).
-The seam is the `session` factory `Upstream` takes (httpx's `MockTransport` idea): by default
-it builds production's `aiohttp.ClientSession`; a test may hand it any session, pointed
-anywhere. Every HTTP exchange goes through `Upstream._send`, and there, once, aiohttp's
-exceptions become domain errors: a server that cannot be reached, times out or cuts its
-answer short is `UpstreamUnavailable` (503, and `Replicas` fails over); any other client
-failure, or a body that is not JSON, is `UpstreamError` (502). vLLM's own 5xx answers are
-`UpstreamError` too, a 503 `UpstreamUnavailable`; its 4xx answers (a sampling field it
-rejects) are `BadRequest` with vLLM's message, since they are the caller's input.
+The seam is the `session` factory `Upstream` takes (httpx's `MockTransport` idea): production's
+`aiohttp.ClientSession` by default, any session, pointed anywhere, in a test. Every HTTP
+exchange goes through `Upstream._send`, and there, once, aiohttp's exceptions become domain
+errors: a server that cannot be reached, times out or cuts its answer short is
+`UpstreamUnavailable` (503, and `Replicas` fails over); any other client failure, or a body that
+is not JSON, is `UpstreamError` (502). vLLM's own 5xx answers are `UpstreamError` too, a 503
+`UpstreamUnavailable`; its 4xx answers (a sampling field it rejects) are `BadRequest` with vLLM's
+message, since they are the caller's input.
 
 With a LoRA name (`lora.py`), a weights push loads an adapter instead, each request names the
 newest adapter loaded, and its tokens carry that adapter's version. It does not route:
