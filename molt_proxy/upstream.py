@@ -4,7 +4,6 @@ Token in, token out: `POST /inference/v1/generate` (vLLM's `--enable-scale-out` 
 takes the exact prompt ids and returns the sampled ids, their logprobs (with the most likely
 alternatives at each position when an agent asks for `top_logprobs`) and per-token weight
 versions. A vLLM upgrade that moves these fields touches this file only.
-
 The client is aiohttp, the per-token path: here it sustains ~10x httpx's rate (DESIGN §4).
 The seam is the `session` factory `Upstream` takes (httpx's `MockTransport` idea): production's
 `aiohttp.ClientSession` by default, any session, pointed anywhere, in a test. Every HTTP
