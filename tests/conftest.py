@@ -196,6 +196,7 @@ SLOW_FIRST = (
     "test_anthropic_vllm.py",
     "test_responses_vllm.py",
     "test_claude_code.py",
+    "test_codex.py",
     "test_agent_logprobs.py",
     "test_errors.py",
 )
