@@ -27,6 +27,8 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         served_model_name=list(args.served_model_name),
         upstreams=list(args.upstream or []),
         replicas=args.replicas,
+        ray_address=args.ray_address,
+        replica_resources=args.replica_resources,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         max_restarts=args.max_restarts,
@@ -62,28 +64,18 @@ def _serve(args: argparse.Namespace) -> int:
     # Settings first: a bad flag fails now, not after minutes of starting vLLM.
     settings = settings_from_args(args, admin_key, agent_keys)
     servers: list[VLLMServer] = []
+    ray_replicas: list = []  # `ray_replicas.RayReplica`s, imported with Ray only when asked for
     try:
-        if not settings.upstreams:
-            for index in range(settings.replicas):
-                suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
-                log = Path(args.db).with_suffix(suffix)
-                logging.info("starting vLLM for %s (log: %s)", args.model, log)
-                port = args.vllm_port + index if args.vllm_port else None
-                servers.append(
-                    VLLMServer(
-                        args.model,
-                        port=port,
-                        max_model_len=args.max_model_len,
-                        extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
-                        log_path=log,
-                    ).spawn()
-                )
-            for server in servers:  # they boot at the same time
-                server.wait()
+        if not settings.upstreams and settings.ray_address:
+            ray_replicas = _start_ray_replicas(args, settings)
+            settings.upstreams = [replica.base_url for replica in ray_replicas]
+        elif not settings.upstreams:
+            servers = _start_local_replicas(args, settings)
             settings.upstreams = [server.url for server in servers]
         # The app's health watcher relaunches a launched server that dies or hangs.
         supervisors = {s.url: Supervisor(s, max_restarts=settings.max_restarts) for s in servers}
-        app = create_app(settings, supervisors)
+        supervisors |= {replica.base_url: replica for replica in ray_replicas}
+        app = create_app(settings, supervisors, ray_replicas)
         if not args.train:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None)
             return 0
@@ -91,7 +83,56 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for server in servers:
             server.stop()
+        for replica in ray_replicas:
+            replica.stop()
     return 0
+
+
+def _start_local_replicas(args: argparse.Namespace, settings: Settings) -> list:
+    """`settings.replicas` vLLM servers as child processes, booted at the same time."""
+    from molt_proxy.launcher import VLLMServer
+
+    servers = []
+    for index in range(settings.replicas):
+        suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
+        log = Path(args.db).with_suffix(suffix)
+        logging.info("starting vLLM for %s (log: %s)", args.model, log)
+        port = args.vllm_port + index if args.vllm_port else None
+        servers.append(
+            VLLMServer(
+                args.model,
+                port=port,
+                max_model_len=args.max_model_len,
+                extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
+                log_path=log,
+            ).spawn()
+        )
+    try:
+        for server in servers:
+            server.wait()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _start_ray_replicas(args: argparse.Namespace, settings: Settings) -> list:
+    """`settings.replicas` vLLM servers in Ray actors on the cluster at `--ray-address`."""
+    from molt_proxy.ray_replicas import start_replicas
+
+    assert settings.ray_address is not None
+    logging.info("starting %d vLLM replicas on Ray at %s", settings.replicas, settings.ray_address)
+    return start_replicas(
+        settings.ray_address,
+        settings.replicas,
+        settings.replica_resources,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
+        max_restarts=settings.max_restarts,
+        timeout_s=settings.upstream_timeout_s,
+    )
 
 
 def _serve_and_train(app, args: argparse.Namespace) -> None:
@@ -144,6 +185,15 @@ def _sampling_pins(spec: str) -> dict[str, float | int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _resources(spec: str) -> dict[str, float]:
+    from molt_proxy.ray_replicas import parse_resources
+
+    try:
+        return parse_resources(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def launched_vllm_args(extra: list[str], reasoning_parser: str | None) -> list[str]:
     """`--vllm-arg`s, and the proxy's `--reasoning-parser` for the vLLM it launches: with it,
     vLLM applies a structured-outputs grammar only once the model's reasoning has ended, as
@@ -183,7 +233,16 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=default(Settings, "replicas"),
         metavar="K",
-        help="without --upstream: launch K vLLM servers, each on its own port",
+        help="without --upstream: launch K vLLM servers, each on its own port (with --ray-address:"
+        " each in a Ray actor, placed by Ray)",
+    )
+    serve.add_argument(
+        "--replica-resources",
+        type=_resources,
+        default=default(Settings, "replica_resources"),
+        metavar="JSON",
+        help="with --ray-address: the Ray resources each vLLM replica's actor asks for, e.g."
+        """ '{"GPU": 1}' or a custom resource that pins replicas to nodes (default: none)""",
     )
     serve.add_argument(
         "--health-interval",

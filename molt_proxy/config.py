@@ -23,6 +23,11 @@ class Settings:
     `serve` launches `replicas` vLLM servers itself and fills this in."""
     replicas: int = 1
     """How many vLLM servers `serve` launches when no upstream is given (`--replicas`)."""
+    ray_address: str | None = None
+    """A Ray cluster (`--ray-address`): without `upstreams`, the `replicas` vLLM servers run in
+    Ray actors placed by Ray (`ray_replicas.py`); `--train`'s trainer joins it too."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources each replica actor asks for (`--replica-resources '{"GPU": 1}'`)."""
     health_interval_s: float = 5.0
     """Seconds between health probes of the replicas (`--health-interval`)."""
     health_timeout_s: float = 10.0
@@ -62,6 +67,8 @@ class Settings:
         if self.upstreams and self.replicas != 1:
             # --replicas launches vLLM; with running servers each replica is one URL.
             raise ValueError("give --upstream URLs or --replicas, not both")
+        if self.replica_resources and not (self.ray_address and not self.upstreams):
+            raise ValueError("--replica-resources places replicas on Ray: give --ray-address, not --upstream")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be positive")
         if self.health_timeout_s <= 0:

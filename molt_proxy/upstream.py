@@ -272,6 +272,31 @@ class Upstream:
         finally:
             await self._request("POST", "/resume")
 
+    # vLLM's weight-transfer routes (DESIGN §5; `transfer.py` drives them, a phase at a time).
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        await self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    async def start_weight_update(self) -> None:
+        """Pause as `refresh_weights` does (held, not failed), then open the update."""
+        await self._request("POST", "/pause?mode=keep")
+        try:
+            await self._request("POST", "/start_weight_update")
+        except BaseException:
+            await self._request("POST", "/resume")
+            raise
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Answers once the trainer's transfer (e.g. its NCCL broadcast) has arrived."""
+        await self._request("POST", "/update_weights", {"update_info": update_info})
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Load what arrived, label it `version`, resume the held requests."""
+        try:
+            await self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+        finally:
+            await self._request("POST", "/resume")
+
     async def healthy(self) -> bool:
         """Whether `/health` answers 2xx; any upstream failure is a no, not an exception."""
         try:

@@ -29,6 +29,7 @@ everything, and the run must still end.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import time
@@ -40,7 +41,7 @@ import torch
 
 from molt_proxy.types import Trajectory
 from molt_proxy.wire.control import EVAL_GROUP_PREFIX
-from trainer import checkpoint
+from trainer import checkpoint, transfer
 from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
@@ -78,7 +79,16 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.config = config
-        self.policy = _make_policy(config)
+        self.transport, why = transfer.choose(
+            config.weight_transfer,
+            cuda=torch.cuda.is_available(),
+            num_workers=config.num_workers,
+            has_vllm=importlib.util.find_spec("vllm") is not None,
+        )
+        log.info("weights go to vLLM through %s (%s)", self.transport, why)
+        self._engine: transfer.EngineRefresh | None = None
+        # The engines send from GPU memory: the one-process policy trains there too.
+        self.policy = _make_policy(config, "cpu" if self.transport == "files" else "cuda")
         self.checkpoint_dir = config.out_dir / "checkpoint"
         self.metrics = MetricsLog(config.out_dir / "metrics.jsonl", tensorboard=config.tensorboard)
         self.state = checkpoint.TrainerState()
@@ -283,13 +293,14 @@ class Trainer:
         folder = (self.config.out_dir / "weights" / f"v{self.state.version}").resolve()
         self.policy.save_weights(folder)
         headers = {"authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
-        response = httpx.post(
-            f"{self.config.proxy_url.rstrip('/')}/v1/admin/weights",
-            json={"path": str(folder), "version": self.state.version},
-            headers=headers,
-            timeout=600,
-        )
-        response.raise_for_status()
+        if not self._sent_by_engine(folder, headers):
+            response = httpx.post(
+                f"{self.config.proxy_url.rstrip('/')}/v1/admin/weights",
+                json={"path": str(folder), "version": self.state.version},
+                headers=headers,
+                timeout=600,
+            )
+            response.raise_for_status()
         _prune_weights(folder.parent, keep=folder)
         behind = replicas_behind(self.config.proxy_url, self.state.version, headers)
         if behind:
@@ -302,6 +313,17 @@ class Trainer:
         self.replicas_behind = len(behind)
         return time.monotonic() - started
 
+    def _sent_by_engine(self, folder: Path, headers: dict[str, str]) -> bool:
+        """Send the weights with vLLM's weight-transfer engine if that is the transport (the
+        group formed at the first refresh); False: they go through files."""
+        if self.transport == "files":
+            return False
+        if self._engine is None:
+            self._engine = transfer.EngineRefresh(
+                self.transport, self.config.proxy_url, headers, self.policy.model
+            )
+        return self._engine.send(str(folder), self.state.version)
+
 
 def _prune_weights(folder: Path, keep: Path) -> None:
     """vLLM has loaded `keep`; older pushed weights are no longer needed."""
@@ -312,7 +334,7 @@ def _prune_weights(folder: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _make_policy(config: TrainerConfig):
+def _make_policy(config: TrainerConfig, device: str):
     if config.num_workers > 1:
         from trainer.workers import DataParallelPolicy
 
@@ -322,5 +344,9 @@ def _make_policy(config: TrainerConfig):
     from trainer.policy import Policy
 
     return Policy(
-        config.model, lr=config.lr, max_grad_norm=config.max_grad_norm, reference=config.loss.kl_coef > 0
+        config.model,
+        lr=config.lr,
+        max_grad_norm=config.max_grad_norm,
+        reference=config.loss.kl_coef > 0,
+        device=device,
     )
