@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -103,7 +104,7 @@ def _start_local_replicas(args: argparse.Namespace, settings: Settings) -> list:
                 args.model,
                 port=port,
                 max_model_len=args.max_model_len,
-                extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
+                extra_args=_vllm_args(args, settings),
                 log_path=log,
             ).spawn()
         )
@@ -129,7 +130,7 @@ def _start_ray_replicas(args: argparse.Namespace, settings: Settings) -> list:
         settings.replica_resources,
         model=args.model,
         max_model_len=args.max_model_len,
-        extra_args=launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser),
+        extra_args=_vllm_args(args, settings),
         max_restarts=settings.max_restarts,
         timeout_s=settings.upstream_timeout_s,
     )
@@ -192,6 +193,18 @@ def _resources(spec: str) -> dict[str, float]:
         return parse_resources(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _vllm_args(args: argparse.Namespace, settings: Settings) -> list[str]:
+    """The launched vLLM's arguments: `launched_vllm_args`, and the weight-transfer backend the
+    trainer sends weights with (`--weight-transfer`, `trainer/transfer.py`). vLLM takes CUDA
+    IPC handles over HTTP only when allowed to unpickle them: a launched vLLM inherits this."""
+    extra = launched_vllm_args(args.vllm_arg or [], settings.reasoning_parser)
+    if args.weight_transfer == "files":
+        return extra
+    if args.weight_transfer == "ipc":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return [*extra, "--weight-transfer-config", json.dumps({"backend": args.weight_transfer})]
 
 
 def launched_vllm_args(extra: list[str], reasoning_parser: str | None) -> list[str]:

@@ -50,6 +50,8 @@ class VLLMActor:
         self.folder = Path(tempfile.gettempdir()) / "molt-proxy-ray" / actor_id
         self.folder.mkdir(parents=True, exist_ok=True)
         _kill_group_in(self.folder / "vllm.pgid")
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs (1 for none); vLLM sets its own threads.
+        os.environ.pop("OMP_NUM_THREADS", None)
         self.server = VLLMServer(
             model,
             host=ray.util.get_node_ip_address(),

@@ -14,6 +14,7 @@ token to `~/.ray`, which every Ray cluster of this user on this machine would sh
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -30,10 +31,45 @@ import pytest
 from openai import OpenAI
 
 from devtools import weather_episode
+from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.launcher import ProxyServer, ServerProcess, free_port
+from molt_proxy.ray_replicas import RayReplica, actor_options
+from molt_proxy.replicas import UpstreamClient
 from tests.helpers import assert_exact, play, trajectories
+from tests.test_replicas import _protocol_methods
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+# -- without a cluster ------------------------------------------------------------------------
+
+
+def test_replica_resources_become_ray_options_and_bad_ones_are_refused(capsys):
+    args = parser().parse_args(["serve", "--model", "m", "--ray-address", "auto", "--replicas", "2",
+                                "--replica-resources", '{"GPU": 1, "CPU": 2, "node_a": 1}'])  # fmt: skip
+    settings = settings_from_args(args, None, [])
+    assert settings.replica_resources == {"GPU": 1.0, "CPU": 2.0, "node_a": 1.0}
+    assert actor_options(settings.replica_resources, settings.max_restarts) == {
+        "num_cpus": 2.0, "num_gpus": 1.0, "resources": {"node_a": 1.0},
+        "max_restarts": 5, "max_concurrency": 4,
+    }  # fmt: skip
+    assert actor_options({}, 0)["num_cpus"] == 0  # vLLM does its own threading
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--model", "m", "--replica-resources", '{"GPU": -1}'])
+    assert "is not a JSON object of resource amounts (numbers >= 0)" in capsys.readouterr().err
+    alone = parser().parse_args(["serve", "--model", "m", "--replica-resources", '{"GPU": 1}'])
+    with pytest.raises(ValueError, match="--replica-resources places replicas on Ray: give --ray-address"):
+        settings_from_args(alone, None, [])
+
+
+def test_a_ray_replica_speaks_the_protocol_replicas_uses():
+    for name in _protocol_methods():
+        declared, spoken = getattr(UpstreamClient, name), getattr(RayReplica, name)
+        assert inspect.signature(spoken).parameters.keys() == inspect.signature(declared).parameters.keys()
+        # `stream` hands on its upstream's generator (a plain def, as declared); the rest are coroutines
+        assert inspect.iscoroutinefunction(spoken) == (name != "stream"), name
+
+
+# -- on a two-node cluster --------------------------------------------------------------------
 
 
 class RayNode(ServerProcess):
@@ -121,7 +157,8 @@ def test_replicas_on_two_ray_nodes_serve_exactly_refresh_through_ray_and_come_ba
     def replicas() -> list[dict[str, Any]]:
         return httpx.get(f"{proxy.url}/health", timeout=30).json()["replicas"]
 
-    with proxy.start(timeout_s=400):
+    proxy.boot_timeout_s = 400  # two CPU vLLMs boot at once
+    with proxy:
         placed = replicas()
         assert [r["healthy"] for r in placed] == [True, True]
         assert len({r["process"]["node_id"] for r in placed}) == 2, placed  # one replica per node

@@ -85,7 +85,9 @@ class Trainer:
             num_workers=config.num_workers,
             has_vllm=importlib.util.find_spec("vllm") is not None,
         )
-        log.info("weights go to vLLM through %s (%s)", self.transport, why)
+        (log.info if self.transport == config.weight_transfer else log.warning)(
+            "weights go to vLLM through %s (%s)", self.transport, why
+        )
         self._engine: transfer.EngineRefresh | None = None
         # The engines send from GPU memory: the one-process policy trains there too.
         self.policy = _make_policy(config, "cpu" if self.transport == "files" else "cuda")
