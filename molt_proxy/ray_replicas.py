@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, Self
 
-from molt_proxy.errors import UpstreamUnavailable
+from molt_proxy.errors import UpstreamError, UpstreamUnavailable
 from molt_proxy.ray_actor import VLLMActor
 from molt_proxy.types import Generation
 from molt_proxy.upstream import ModelInfo, TokenDelta, Upstream
@@ -80,7 +80,10 @@ class Shipment:
         """The folder's file names and their object refs (read and put on first use)."""
         async with self._lock:
             if self._key != (folder, version):
-                self._names, self._refs = await asyncio.to_thread(_put_folder, folder)
+                try:
+                    self._names, self._refs = await asyncio.to_thread(_put_folder, folder)
+                except OSError as exc:  # pruned meanwhile: this replica waits for the next weights
+                    raise UpstreamError(f"weights {version} at {folder} cannot be read: {exc}") from exc
                 self._key = (folder, version)
             return self._names, self._refs
 

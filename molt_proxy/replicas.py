@@ -21,6 +21,9 @@
   fail over. A request in flight on a hung server the proxy did not launch waits for the
   upstream timeout.
 
+A replica in a Ray actor (`serve --ray-address`, `ray_replicas.RayReplica`) is both: an
+`UpstreamClient` whose URL may change when Ray restarts the actor, and its own `Supervision`.
+
 `upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where,
 and depends on it only through `UpstreamClient`, the methods it calls (tests route between
 in-process fakes that speak it).

@@ -44,16 +44,16 @@ from trainer.metrics import read  # noqa: E402
 
 out, transfer = Path(sys.argv[1]), sys.argv[2]
 model = build_tiny_model(out / "model", "qwen3", hidden_size=1024, num_layers=16, fallback_tokenizer=True, teach=False)
-RUNS = [("files", "files", []), ("transfer", transfer, []), ("fp32", transfer, ["--vllm-arg=--dtype=float32"])]
+RUNS = [("files", "files", "bfloat16"), ("transfer", transfer, "bfloat16"), ("fp32", transfer, "float32")]
 
 
-def run(name: str, weight_transfer: str, extra: list[str]) -> dict:
+def run(name: str, weight_transfer: str, dtype: str) -> dict:
     folder = out / name
     flags = [
         "--train", "--train-out", str(folder / "train"), "--max-steps", "5", "--lr", "1e-5",
         "--group-size", "4", "--groups-per-step", "2", "--group-timeout", "30", "--max-staleness", "0",
         "--weight-transfer", weight_transfer, "--max-model-len", "256",
-        "--vllm-arg=--gpu-memory-utilization=0.25", "--vllm-arg=--enforce-eager", *extra,
+        "--vllm-arg=--gpu-memory-utilization=0.25", "--vllm-arg=--enforce-eager", f"--vllm-arg=--dtype={dtype}",
     ]  # fmt: skip
     server = ProxyServer(model, db=folder / "p.db", args=flags, log_path=folder / "serve.log")
     curve = folder / "train" / "reward_curve.png"
@@ -73,7 +73,7 @@ def run(name: str, weight_transfer: str, extra: list[str]) -> dict:
     return {
         "run": name,
         "transport": weight_transfer,
-        "vllm_dtype": "float32" if extra else "bfloat16",
+        "vllm_dtype": dtype,
         "steps": len(records),
         "refresh_s_median": statistics.median(r["refresh_s"] for r in records) if records else None,
         "trainer_tokens_per_s": statistics.median(r["tokens_per_s"] for r in records) if records else None,
@@ -89,9 +89,9 @@ def run(name: str, weight_transfer: str, extra: list[str]) -> dict:
 
 
 results = []
-for name, weight_transfer, extra in RUNS:
+for name, weight_transfer, dtype in RUNS:
     try:
-        result = run(name, weight_transfer, extra)
+        result = run(name, weight_transfer, dtype)
     except Exception as exc:  # a run that cannot start: say so, run the others
         result = {"run": name, "transport": weight_transfer, "failed": repr(exc)[:500]}
     results.append(result)
