@@ -8,8 +8,10 @@ shipped through Ray's object store, and a replica whose actor is killed -9 resta
 and given the trainer's weights before traffic, from the object store, after the trainer's
 folder is gone (so no replica could have read it from disk).
 
-The cluster runs with `RAY_AUTH_MODE=disabled`: Ray 2.60's `ray start` otherwise writes a
-token to `~/.ray`, which every Ray cluster of this user on this machine would share.
+The cluster runs with `RAY_AUTH_MODE=disabled` (Ray 2.60's `ray start` otherwise writes a token
+to `~/.ray`, which every Ray cluster of this user on this machine would share) and without
+Ray's memory monitor (`RAY_memory_monitor_refresh_ms=0`), which kills actors when the whole
+machine's memory is nearly full, whoever else uses it (CI runs other vLLM servers meanwhile).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from molt_proxy.replicas import UpstreamClient
 from tests.helpers import assert_exact, play, trajectories
 from tests.test_replicas import _protocol_methods
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
 
 # -- without a cluster ------------------------------------------------------------------------
 
