@@ -37,7 +37,7 @@ from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.launcher import ProxyServer, ServerProcess, free_port
 from molt_proxy.ray_replicas import RayReplica, actor_options
 from molt_proxy.replicas import UpstreamClient
-from tests.helpers import assert_exact, play, trajectories
+from tests.helpers import Run, assert_exact, play, trajectories
 from tests.test_replicas import _protocol_methods
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
@@ -124,10 +124,15 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def episode(proxy: ProxyServer, session: str, model: Path) -> dict[str, Any]:
-    """The scripted weather episode in `session`, rewarded; its trajectory, checked exact."""
+def episode(
+    proxy: ProxyServer, session: str, model: Path, replies: int | None = None, run: Run | None = None
+) -> Any:
+    """The scripted weather episode in `session` (its first `replies`, or the rest of `run`);
+    once whole, rewarded and its trajectory checked exact and returned."""
     client = OpenAI(base_url=proxy.base_url(session), api_key="unused", max_retries=0)
-    run = play(client, weather_episode("hermes"))
+    run = play(client, weather_episode("hermes"), run=run, replies=replies)
+    if replies is not None:
+        return run
     assert len(run.replies) == 5
     httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
     [trajectory] = [t for t in trajectories(proxy.url) if t["session_id"] == session]
@@ -165,8 +170,10 @@ def test_replicas_on_two_ray_nodes_serve_exactly_refresh_through_ray_and_come_ba
         assert [r["healthy"] for r in placed] == [True, True]
         assert len({r["process"]["node_id"] for r in placed}) == 2, placed  # one replica per node
 
-        # A session sticks to the replica of its first turn; the second goes to the other.
-        first, second = episode(proxy, "a", qwen3_model), episode(proxy, "b", qwen3_model)
+        # A session sticks to the replica of its first turn; one opened meanwhile goes to the other.
+        started = episode(proxy, "a", qwen3_model, replies=1)
+        second = episode(proxy, "b", qwen3_model)
+        first = episode(proxy, "a", qwen3_model, run=started)
         assert [r["requests"] for r in replicas()] == [5, 5]
         assert {v for t in (first, second) for v in t["weight_versions"]} == {0}
 
