@@ -79,7 +79,7 @@ class RayNode(ServerProcess):
     (`ray stop` would end every Ray node of this machine, other tests' too)."""
 
     name = "Ray node"
-    boot_timeout_s = 90.0
+    boot_timeout_s = 180.0
 
     def __init__(self, args: list[str], log_path: Path):
         command = [str(Path(sys.executable).with_name("ray")), "start", "--block", *args]
