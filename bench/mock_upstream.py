@@ -11,10 +11,12 @@ need other replies queue them with `POST /_script` (a JSON list of `{"token_ids"
 "finish_reason": ..., "logprobs": [...] (optional)}`): the next whole (not streamed) generate
 requests answer them, in order.
 
-The weight-refresh routes (`/pause`, `/collective_rpc`, `/update_weight_version`, `/resume`)
-only record that they were called, in order, as `(path, body)` in the list `calls` passed to
-`build_app` (and at `GET /_calls`); `/update_weight_version` also relabels what is sampled
-next, as vLLM does. `GET /_generated` lists the body of every generate request, in order.
+The weight-refresh routes (`/pause`, `/collective_rpc`, `/update_weight_version`, `/resume`,
+and the weight-transfer engine's `/init_weight_transfer_engine`, `/start_weight_update`,
+`/update_weights`, `/finish_weight_update`) only record that they were called, in order, as
+`(path, body)` in the list `calls` passed to `build_app` (and at `GET /_calls`);
+`/update_weight_version` and `/finish_weight_update` also relabel what is sampled next, as
+vLLM does. `GET /_generated` lists the body of every generate request, in order.
 
     python -m bench.mock_upstream --port 8101 --reply-text "..." --reply-ids 1,2,3
 """
@@ -184,6 +186,8 @@ def build_app(
         calls.append((request.path_qs, body))
         if request.path == "/update_weight_version":
             choice["weight_versions"][0]["version"] = body["new_version"]
+        if request.path == "/finish_weight_update" and body and body.get("weight_version"):
+            choice["weight_versions"][0]["version"] = body["weight_version"]
         return web.json_response({})
 
     async def list_calls(_: web.Request) -> web.Response:
@@ -201,7 +205,13 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
-    for path in ("/pause", "/collective_rpc", "/update_weight_version", "/resume"):
+    transfer = (
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    )
+    for path in ("/pause", "/collective_rpc", "/update_weight_version", "/resume", *transfer):
         app.router.add_post(path, admin)
     app.router.add_get("/_calls", list_calls)
     app.router.add_get("/_generated", list_generated)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,11 +20,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, UpstreamUnavailable
 from molt_proxy.proxy import Proxy
-from molt_proxy.replicas import Supervision
+from molt_proxy.replicas import Supervision, UpstreamClient
 from molt_proxy.routes import router
 from molt_proxy.routes_responses import router as responses_router
 from molt_proxy.telemetry import Instrument
 from molt_proxy.telemetry import router as telemetry_router
+from molt_proxy.transfer import router as transfer_router
 from molt_proxy.viewer import install_docs
 from molt_proxy.viewer import router as viewer_router
 from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
@@ -66,9 +67,14 @@ async def _send_error(send: Send, error: MoltError, path: str) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None = None) -> FastAPI:
-    """`supervisors`: by URL, for the vLLM servers `serve` launched (`launcher.Supervisor`)."""
-    proxy = Proxy(settings, supervisors)
+def create_app(
+    settings: Settings,
+    supervisors: Mapping[str, Supervision] | None = None,
+    upstreams: Sequence[UpstreamClient] = (),
+) -> FastAPI:
+    """`supervisors`: by URL, for the vLLM servers `serve` launched (`launcher.Supervisor`);
+    `upstreams`: replicas built by `serve` itself (Ray actors), else one per settings URL."""
+    proxy = Proxy(settings, supervisors, upstreams)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +90,7 @@ def create_app(settings: Settings, supervisors: Mapping[str, Supervision] | None
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(telemetry_router)
+    app.include_router(transfer_router)
     app.include_router(viewer_router)
     install_docs(app)
     return app

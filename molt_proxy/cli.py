@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from molt_proxy import logs
 from molt_proxy.config import Settings, default
@@ -27,6 +31,8 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         served_model_name=list(args.served_model_name),
         upstreams=list(args.upstream or []),
         replicas=args.replicas,
+        ray_address=args.ray_address,
+        replica_resources=args.replica_resources,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         max_restarts=args.max_restarts,
@@ -72,30 +78,18 @@ def _serve(args: argparse.Namespace) -> int:
     # Settings first: a bad flag fails now, not after minutes of starting vLLM.
     settings = settings_from_args(args, admin_key, agent_keys)
     servers: list[VLLMServer] = []
+    ray_replicas: list = []  # `ray_replicas.RayReplica`s, imported with Ray only when asked for
     try:
-        if not settings.upstreams:
-            for index in range(settings.replicas):
-                suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
-                log = Path(args.db).with_suffix(suffix)
-                logging.info("starting vLLM for %s (log: %s)", args.model, log)
-                port = args.vllm_port + index if args.vllm_port else None
-                servers.append(
-                    VLLMServer(
-                        args.model,
-                        port=port,
-                        max_model_len=args.max_model_len,
-                        extra_args=launched_vllm_args(
-                            args.vllm_arg or [], settings.reasoning_parser, settings.lora_name, args.lora_rank
-                        ),
-                        log_path=log,
-                    ).spawn()
-                )
-            for server in servers:  # they boot at the same time
-                server.wait()
+        if not settings.upstreams and settings.ray_address:
+            ray_replicas = _start_ray_replicas(args, settings)
+            settings.upstreams = [replica.base_url for replica in ray_replicas]
+        elif not settings.upstreams:
+            servers = _start_local_replicas(args, settings)
             settings.upstreams = [server.url for server in servers]
         # The app's health watcher relaunches a launched server that dies or hangs.
         supervisors = {s.url: Supervisor(s, max_restarts=settings.max_restarts) for s in servers}
-        app = create_app(settings, supervisors)
+        supervisors |= {replica.base_url: replica for replica in ray_replicas}
+        app = create_app(settings, supervisors, ray_replicas)
         if not args.train:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None)
             return 0
@@ -103,7 +97,52 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for server in servers:
             server.stop()
+        for replica in ray_replicas:
+            replica.stop()
     return 0
+
+
+def _start_local_replicas(args: argparse.Namespace, settings: Settings) -> list:
+    """`settings.replicas` vLLM servers as child processes, booted at the same time."""
+    from molt_proxy.launcher import VLLMServer
+
+    servers = []
+    for index in range(settings.replicas):
+        suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
+        log = Path(args.db).with_suffix(suffix)
+        logging.info("starting vLLM for %s (log: %s)", args.model, log)
+        port = args.vllm_port + index if args.vllm_port else None
+        extra = _vllm_args(args, settings)
+        server = VLLMServer(
+            args.model, port=port, max_model_len=args.max_model_len, extra_args=extra, log_path=log
+        )
+        servers.append(server.spawn())
+    try:
+        for server in servers:
+            server.wait()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _start_ray_replicas(args: argparse.Namespace, settings: Settings) -> list:
+    """`settings.replicas` vLLM servers in Ray actors on the cluster at `--ray-address`."""
+    from molt_proxy.ray_replicas import start_replicas
+
+    assert settings.ray_address is not None
+    logging.info("starting %d vLLM replicas on Ray at %s", settings.replicas, settings.ray_address)
+    return start_replicas(
+        settings.ray_address,
+        settings.replicas,
+        settings.replica_resources,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        extra_args=_vllm_args(args, settings),
+        max_restarts=settings.max_restarts,
+        timeout_s=settings.upstream_timeout_s,
+    )
 
 
 def _serve_and_train(app, args: argparse.Namespace) -> None:
@@ -147,13 +186,31 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling_pins(spec: str) -> dict[str, float | int]:
-    from molt_proxy.sampling import parse_pins
+def _parsed_by(module: str, function: str) -> Callable[[str], Any]:
+    """An argparse `type` that parses with `module.function` (imported when used) and shows its
+    `ValueError`'s message, as argparse does for an `ArgumentTypeError` only."""
 
-    try:
-        return parse_pins(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def parse(spec: str) -> Any:
+        try:
+            return getattr(importlib.import_module(module), function)(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = function
+    return parse
+
+
+def _vllm_args(args: argparse.Namespace, settings: Settings) -> list[str]:
+    """`launched_vllm_args` and the trainer's `--weight-transfer` backend (`trainer/transfer.py`);
+    with `ipc`, vLLM may unpickle CUDA IPC handles sent over HTTP (a launched vLLM inherits this)."""
+    extra = launched_vllm_args(
+        args.vllm_arg or [], settings.reasoning_parser, settings.lora_name, args.lora_rank
+    )
+    if args.weight_transfer == "files":
+        return extra
+    if args.weight_transfer == "ipc":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return [*extra, "--weight-transfer-config", json.dumps({"backend": args.weight_transfer})]
 
 
 def launched_vllm_args(
@@ -201,7 +258,16 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=default(Settings, "replicas"),
         metavar="K",
-        help="without --upstream: launch K vLLM servers, each on its own port",
+        help="without --upstream: launch K vLLM servers, each on its own port (with --ray-address:"
+        " each in a Ray actor, placed by Ray)",
+    )
+    serve.add_argument(
+        "--replica-resources",
+        type=_parsed_by("molt_proxy.ray_replicas", "parse_resources"),
+        default=default(Settings, "replica_resources"),
+        metavar="JSON",
+        help="with --ray-address: the Ray resources each vLLM replica's actor asks for, e.g."
+        """ '{"GPU": 1}' or a custom resource that pins replicas to nodes (default: none)""",
     )
     serve.add_argument(
         "--health-interval",
@@ -261,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--sampling",
-        type=_sampling_pins,
+        type=_parsed_by("molt_proxy.sampling", "parse_pins"),
         default=default(Settings, "sampling"),
         metavar="NAME=VALUE,...",
         help="pin sampling fields for every turn, whatever agents send (e.g. temperature=1,top_p=1): "

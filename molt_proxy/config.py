@@ -23,6 +23,11 @@ class Settings:
     `serve` launches `replicas` vLLM servers itself and fills this in."""
     replicas: int = 1
     """How many vLLM servers `serve` launches when no upstream is given (`--replicas`)."""
+    ray_address: str | None = None
+    """A Ray cluster (`--ray-address`): without `upstreams`, the `replicas` vLLM servers run in
+    Ray actors placed by Ray (`ray_replicas.py`); `--train`'s trainer joins it too."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources each replica actor asks for (`--replica-resources '{"GPU": 1}'`)."""
     health_interval_s: float = 5.0
     """Seconds between health probes of the replicas (`--health-interval`)."""
     health_timeout_s: float = 10.0
@@ -65,16 +70,13 @@ class Settings:
         if self.upstreams and self.replicas != 1:
             # --replicas launches vLLM; with running servers each replica is one URL.
             raise ValueError("give --upstream URLs or --replicas, not both")
-        if self.health_interval_s <= 0:
-            raise ValueError("health_interval_s must be positive")
-        if self.health_timeout_s <= 0:
-            raise ValueError("health_timeout_s must be positive")
+        if self.replica_resources and not (self.ray_address and not self.upstreams):
+            raise ValueError("--replica-resources places replicas on Ray: give --ray-address, not --upstream")
+        for name in ("health_interval_s", "health_timeout_s", "session_ttl_s", "max_request_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must not be negative")
-        if self.session_ttl_s <= 0:
-            raise ValueError("session_ttl_s must be positive")
-        if self.max_request_bytes <= 0:
-            raise ValueError("max_request_bytes must be positive")
         if "" in self.served_model_name:
             raise ValueError("a served model name must not be empty")
         if self.admin_key == "" or "" in self.agent_keys:

@@ -1,11 +1,8 @@
 """Start and stop servers as child processes: the vLLM servers the proxy launches itself
-(`serve` without `--upstream`), and `molt-proxy serve` itself for examples, tests and
-benchmarks (`ProxyServer`). Both are a `ServerProcess`: its own process group, a health
-route to wait for, SIGTERM then SIGKILL of the whole group.
-
-vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
-fails for the CPU distribution, DESIGN §9), in its own process group so that shutdown
-takes its engine workers with it.
+(`serve` without `--upstream`; `python -m vllm.entrypoints.openai.api_server`, as the `vllm`
+script fails for the CPU build, DESIGN §9) and `molt-proxy serve` for examples, tests and
+benchmarks (`ProxyServer`). Each is a `ServerProcess`: its own process group (shutdown takes
+vLLM's workers too), a health route to wait for, SIGTERM then SIGKILL of the whole group.
 
 `Supervisor` keeps a launched server alive: told the result of every `/health` probe (by
 `replicas.Replicas`, which decides routing and knows nothing of processes), it reaps a server
@@ -83,13 +80,15 @@ prefill; a CPU `torch.Generator` has no offset). Without chunked prefill, vLLM s
 so no sample is discarded and `seed` keeps its promise. A later `--vllm-arg` overrides it."""
 
 
-def vllm_command(model: str, port: int, *, max_model_len: int | None, extra: list[str]) -> list[str]:
+def vllm_command(
+    model: str, port: int, *, max_model_len: int | None, extra: list[str], host: str = "127.0.0.1"
+) -> list[str]:
     """The server flags the proxy relies on: the token-in/token-out route, processed logprobs
-    (for correct importance ratios) and the dev routes used for weight refresh."""
+    (for correct importance ratios) and the dev routes used for weight refresh; on `host`."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
@@ -112,6 +111,7 @@ class ServerProcess:
     boot_timeout_s = 120.0
     stop_timeout_s = 20.0
     """After SIGTERM, how long to wait before SIGKILL."""
+    die_with_parent = False  # SIGKILL it when the thread that spawned it dies: for Ray actors
 
     def __init__(
         self,
@@ -143,6 +143,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT if log else None,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
         return self
 
@@ -196,6 +197,12 @@ class ServerProcess:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 class VLLMServer(ServerProcess):
     """One vLLM server child process (output discarded without a `log_path`)."""
 
@@ -210,6 +217,7 @@ class VLLMServer(ServerProcess):
         max_model_len: int | None = None,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        host: str = "127.0.0.1",
     ):
         self.port = port or free_port()
         env = {
@@ -224,8 +232,8 @@ class VLLMServer(ServerProcess):
             # OpenMP binding pins to core 0 (every launched server's worker, all on one core).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         super().__init__(
-            vllm_command(model, self.port, max_model_len=max_model_len, extra=extra_args or []),
-            f"http://127.0.0.1:{self.port}",
+            vllm_command(model, self.port, max_model_len=max_model_len, extra=extra_args or [], host=host),
+            f"http://{host}:{self.port}",
             log_path=log_path or Path(os.devnull),
             env=env,
         )

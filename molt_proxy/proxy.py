@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,11 +19,12 @@ from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, Conflict, NotFound
 from molt_proxy.lora import check_adapter_dir
 from molt_proxy.parsing import ReplyParser
-from molt_proxy.replicas import Replicas, Supervision
+from molt_proxy.replicas import Replicas, Supervision, UpstreamClient
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.telemetry import Telemetry
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.transfer import TransferGroup
 from molt_proxy.types import SessionStatus, Trajectory
 from molt_proxy.upstream import Upstream
 from molt_proxy.weights import check_weights_dir
@@ -34,13 +35,21 @@ log = logging.getLogger(__name__)
 class Proxy:
     """Everything a handler needs, built once at startup."""
 
-    def __init__(self, settings: Settings, supervisors: Mapping[str, Supervision] | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        supervisors: Mapping[str, Supervision] | None = None,
+        upstreams: Sequence[UpstreamClient] = (),
+    ):
+        """`upstreams`: replicas the caller built (Ray actors, `ray_replicas.py`); without them,
+        one `Upstream` per URL of `settings.upstreams`."""
         self.settings = settings
         self.keys = auth.Keys(settings.admin_key, settings.agent_keys)
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
         self.replicas = Replicas(
-            [
+            upstreams
+            or [
                 Upstream(url, timeout_s=settings.upstream_timeout_s, lora_name=settings.lora_name)
                 for url in settings.upstreams
             ],
@@ -51,6 +60,8 @@ class Proxy:
         self.finalized = asyncio.Condition()
         """Notified whenever a session closes: trajectory streams wait on it for new rows."""
         self.refresh_lock = asyncio.Lock()
+        self.transfer = TransferGroup(self.replicas)
+        """The trainer's weight-transfer group (`transfer.py`), once it forms one."""
         self.telemetry = Telemetry(lambda: len(self.sessions.open_sessions()), self.replicas.describe)
         self.sessions: Sessions
         self.completions: Completions

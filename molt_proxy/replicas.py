@@ -21,6 +21,9 @@
   fail over. A request in flight on a hung server the proxy did not launch waits for the
   upstream timeout.
 
+A replica in a Ray actor (`serve --ray-address`, `ray_replicas.RayReplica`) is both: an
+`UpstreamClient` whose URL may change when Ray restarts the actor, and its own `Supervision`.
+
 `upstream.py` stays the only module that speaks HTTP to vLLM; this one only decides where,
 and depends on it only through `UpstreamClient`, the methods it calls (tests route between
 in-process fakes that speak it).
@@ -108,6 +111,8 @@ class Replica:
     """The version this proxy last loaded into it; None: the weights it booted with."""
     supervisor: Supervision | None = None
     """Set when the proxy launched this vLLM and relaunches it when it dies."""
+    in_transfer_group: bool = False
+    """In the trainer's weight-transfer group (`transfer.py`); lost when taken out."""
 
     @property
     def url(self) -> str:
@@ -189,12 +194,13 @@ class Replicas:
         chosen.sessions += 1
         return chosen
 
-    def _mark_down(self, replica: Replica, why: object) -> None:
+    def mark_down(self, replica: Replica, why: object) -> None:
         """Take a replica out and free its sessions: their next turn is placed afresh."""
         if replica.healthy:
             log.warning("vLLM replica %s is down: %s", replica.url, why)
         replica.healthy = False
         replica.weight_version = None  # unknown until it is given weights again
+        replica.in_transfer_group = False  # a restarted vLLM has left the group
         if replica.sessions:  # a scan of all sessions, only when some stick to it
             for affinity in [a for a, r in self._affinity.items() if r is replica]:
                 del self._affinity[affinity]
@@ -243,7 +249,7 @@ class Replicas:
                             replica.requests += 1
                         yield item
             except UpstreamUnavailable as exc:
-                self._mark_down(replica, exc)
+                self.mark_down(replica, exc)
                 if started:
                     raise
                 continue
@@ -265,7 +271,7 @@ class Replicas:
             try:
                 return await replica.upstream.models()
             except UpstreamUnavailable as exc:
-                self._mark_down(replica, exc)
+                self.mark_down(replica, exc)
         raise UpstreamUnavailable("no healthy vLLM replica")
 
     async def model(self) -> ModelInfo:
@@ -273,7 +279,7 @@ class Replicas:
             try:
                 return await replica.upstream.model()
             except UpstreamUnavailable as exc:
-                self._mark_down(replica, exc)
+                self.mark_down(replica, exc)
         raise UpstreamUnavailable("no healthy vLLM replica")
 
     # -- weights -----------------------------------------------------------------------------
@@ -296,7 +302,7 @@ class Replicas:
             errors: list[BaseException] = []
             for replica, result in zip(targets, results, strict=True):
                 if isinstance(result, BaseException):
-                    self._mark_down(replica, f"loading weights {version} failed: {result!r}")
+                    self.mark_down(replica, f"loading weights {version} failed: {result!r}")
                     errors.append(result)
                 else:
                     replica.weight_version = version
@@ -306,7 +312,17 @@ class Replicas:
             self._weights = (weights_dir, version)
             return loaded
 
+    def loaded(self, replicas: Sequence[Replica], weights_dir: str, version: int) -> None:
+        """`replicas` now serve `version`, also found in `weights_dir` (loaded by another path
+        than `refresh_weights`: `transfer.py`): what a returning replica is given."""
+        for replica in replicas:
+            replica.weight_version = version
+        self._weights = (weights_dir, version)
+
     # -- health ------------------------------------------------------------------------------
+
+    def healthy_replicas(self) -> list[Replica]:
+        return [r for r in self._replicas if r.healthy]
 
     def describe(self) -> list[dict[str, Any]]:
         return [r.describe() for r in self._replicas]
@@ -333,7 +349,7 @@ class Replicas:
         else:
             why = "/health failed"
         if not ok:
-            self._mark_down(replica, why)  # first: no request goes there while it is killed
+            self.mark_down(replica, why)  # first: no request goes there while it is killed
         if replica.supervisor is not None:
             await replica.supervisor.observe(ok)
         if not ok or replica.healthy:

@@ -180,6 +180,7 @@ SLOW_FIRST = (
     "trainer/test_live_vllm.py",
     "test_integrations.py",
     "test_llama_vllm.py",
+    "test_ray_replicas.py",
     "trainer/test_workers.py",
     "trainer/test_policy.py",
     "test_agent_libraries.py",

@@ -12,6 +12,9 @@ from typing import Literal, get_args, get_origin, get_type_hints
 from molt_proxy.config import default
 from trainer.advantage import Estimator
 
+Transport = Literal["files", "nccl", "ipc"]
+"""How a refresh reaches vLLM (`trainer/transfer.py`)."""
+
 IsMode = Literal["truncate", "mask"]
 Level = Literal["token", "sequence"]
 KlEstimator = Literal["k1", "k2", "k3"]
@@ -152,6 +155,10 @@ class TrainerConfig:
     lora_target_modules: tuple[str, ...] = LORA_TARGETS
     """The linear layers (by their own name, as PEFT's `target_modules`) that get an adapter."""
     ray_address: str | None = None
+    weight_transfer: Transport = "files"
+    """How a refresh reaches vLLM (`trainer/transfer.py`): files (safetensors the proxy has vLLM
+    reload), or nccl / ipc (vLLM's weight-transfer engine, GPU to GPU; the folder is still
+    written, for replicas that come back). nccl / ipc fall back to files without CUDA."""
     seed: int = 0
     train_greedy: bool = False
     """Train on greedy (temperature 0) tokens, at their T = 1 logprob. Off by default: an
@@ -264,7 +271,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--num-workers", type=int, default=train("num_workers"), help=">1: FSDP2 data-parallel workers"
     )
-    group.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
+    group.add_argument(
+        "--ray-address",
+        help="join an existing Ray cluster instead of starting one (serve without --upstream also"
+        " runs its vLLM replicas there, in Ray actors)",
+    )
     group.add_argument(
         "--lora-rank",
         type=int,
@@ -279,6 +290,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(train("lora_target_modules")),
         metavar="NAME",
         help="linear layers (by name) that get an adapter (default: %(default)s)",
+    )
+    group.add_argument(
+        "--weight-transfer",
+        choices=get_args(Transport),
+        default=train("weight_transfer"),
+        help="how a refresh reaches vLLM: files, or GPU to GPU with vLLM's weight-transfer engine:"
+        " nccl (trainer and replicas on distinct GPUs) or ipc (one GPU shared with vLLM); needs"
+        " CUDA in the trainer, else files",
     )
     group.add_argument("--seed", type=int, default=train("seed"))
     group.add_argument(
@@ -365,6 +384,7 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         lora_alpha=args.lora_alpha,
         lora_target_modules=tuple(args.lora_target_modules),
         ray_address=args.ray_address,
+        weight_transfer=args.weight_transfer,
         seed=args.seed,
         train_greedy=args.train_greedy,
         constrained_turns=args.constrained_turns,

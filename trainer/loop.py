@@ -29,6 +29,7 @@ everything, and the run must still end.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import time
@@ -40,7 +41,7 @@ import torch
 
 from molt_proxy.types import Trajectory
 from molt_proxy.wire.control import EVAL_GROUP_PREFIX
-from trainer import checkpoint
+from trainer import checkpoint, transfer
 from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
@@ -78,7 +79,18 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.config = config
-        self.policy = _make_policy(config)
+        self.transport, why = transfer.choose(
+            config.weight_transfer,
+            cuda=torch.cuda.is_available(),
+            num_workers=config.num_workers,
+            has_vllm=importlib.util.find_spec("vllm") is not None,
+        )
+        (log.info if self.transport == config.weight_transfer else log.warning)(
+            "weights go to vLLM through %s (%s)", self.transport, why
+        )
+        self._engine: transfer.EngineRefresh | None = None
+        # The engines send from GPU memory: the one-process policy trains there too.
+        self.policy = _make_policy(config, "cpu" if self.transport == "files" else "cuda")
         self.checkpoint_dir = config.out_dir / "checkpoint"
         self.metrics = MetricsLog(config.out_dir / "metrics.jsonl", tensorboard=config.tensorboard)
         self.state = checkpoint.TrainerState()
@@ -287,14 +299,15 @@ class Trainer:
         self.policy.save_weights(folder)
         headers = {"authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
         behind = []
-        for url in self.config.proxy_urls:
-            response = httpx.post(
-                f"{url.rstrip('/')}/v1/admin/weights",
-                json={"path": str(folder), "version": self.state.version},
-                headers=headers,
-                timeout=600,
-            )
-            response.raise_for_status()
+        for url in self.config.proxy_urls:  # the weight-transfer engine's group is the first proxy's
+            if url != self.config.proxy_url or not self._sent_by_engine(folder, headers):
+                response = httpx.post(
+                    f"{url.rstrip('/')}/v1/admin/weights",
+                    json={"path": str(folder), "version": self.state.version},
+                    headers=headers,
+                    timeout=600,
+                )
+                response.raise_for_status()
             behind += replicas_behind(url, self.state.version, headers)
         # vLLM may reload an adapter it evicted from its cache from the folder (molt_proxy/lora.py)
         _prune_weights(folder.parent, keep=2 if self.config.lora_rank else 1)
@@ -308,6 +321,17 @@ class Trainer:
         self.replicas_behind = len(behind)
         return time.monotonic() - started
 
+    def _sent_by_engine(self, folder: Path, headers: dict[str, str]) -> bool:
+        """Send the weights with vLLM's weight-transfer engine if that is the transport (the
+        group formed at the first refresh); False: they go through files."""
+        if self.transport == "files":
+            return False
+        if self._engine is None:
+            self._engine = transfer.EngineRefresh(
+                self.transport, self.config.proxy_url, headers, self.policy.model
+            )
+        return self._engine.send(str(folder), self.state.version)
+
 
 def _prune_weights(folder: Path, keep: int) -> None:
     """vLLM has loaded the newest; all but the newest `keep` pushed folders are no longer needed."""
@@ -318,7 +342,7 @@ def _prune_weights(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _make_policy(config: TrainerConfig):
+def _make_policy(config: TrainerConfig, device: str):
     if config.num_workers > 1:
         from trainer.workers import DataParallelPolicy
 
@@ -340,5 +364,9 @@ def _make_policy(config: TrainerConfig):
     from trainer.policy import Policy
 
     return Policy(
-        config.model, lr=config.lr, max_grad_norm=config.max_grad_norm, reference=config.loss.kl_coef > 0
+        config.model,
+        lr=config.lr,
+        max_grad_norm=config.max_grad_norm,
+        reference=config.loss.kl_coef > 0,
+        device=device,
     )

@@ -23,7 +23,10 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
     # earlier run left behind, and wait for its dead head.
     ray.init(address=config.ray_address or "local", ignore_reinit_error=True, include_dashboard=False)
     # The actor does its own threading; it must not wait for a Ray CPU slot on small machines.
-    actor = ray.remote(num_cpus=0)(Trainer).remote(config)
+    # Sending weights GPU to GPU (`trainer/transfer.py`), it asks Ray for a GPU of its own if
+    # the cluster has one, so that replicas Ray placed (`serve --ray-address`) are on others.
+    gpus = 1 if config.weight_transfer != "files" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    actor = ray.remote(num_cpus=0, num_gpus=gpus)(Trainer).remote(config)
     result_ref = actor.run.remote()
     shown = 0
     while True:
