@@ -37,7 +37,7 @@ from molt_proxy import auth
 from molt_proxy.errors import BadRequest, Conflict
 from molt_proxy.replicas import Replica, Replicas
 from molt_proxy.weights import check_version, check_weights_dir
-from molt_proxy.wire.control import decode_json_object
+from molt_proxy.wire.control import decode_json_object, request_body
 
 router = APIRouter()
 PHASES = ("init", "start", "update", "finish")
@@ -136,7 +136,20 @@ class TransferGroup:
             raise errors[0]
 
 
-@router.post("/v1/admin/weights/transfer")
+TRANSFER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "phase": {"type": "string", "enum": list(PHASES)},
+        "init_info": {"type": "object"},
+        "path": {"type": "string"},
+        "version": {"type": "integer", "minimum": 0},
+        "update_info": {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}]},
+    },
+    "required": ["phase"],
+}
+
+
+@router.post("/v1/admin/weights/transfer", openapi_extra=request_body(TRANSFER_SCHEMA))
 async def transfer(request: Request) -> dict[str, Any]:
     """One phase of a weight transfer from the trainer (see the module doc)."""
     proxy = request.app.state.proxy

@@ -53,6 +53,7 @@ OPERATIONS = [
     ("POST", "/v1/rewards"),
     ("GET", "/v1/trajectories"),
     ("POST", "/v1/admin/weights"),
+    ("POST", "/v1/admin/weights/transfer"),
     ("GET", "/v1/models"),
     ("GET", "/s/{session_id}/v1/models"),
     ("GET", "/health"),
