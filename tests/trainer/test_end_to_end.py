@@ -16,7 +16,7 @@ def test_example_task_reward_climbs(tmp_path):
     quarter of training is clearly above the first quarter."""
     out = tmp_path / "digits"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "learn_digits.py"), "--out", str(out), "--steps", "16"],
+        [sys.executable, str(ROOT / "examples" / "learn_digits.py"), "--out", str(out), "--steps", "24"],
         capture_output=True,
         text=True,
         timeout=1200,
