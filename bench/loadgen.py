@@ -68,6 +68,7 @@ async def session_loop(
                     errors.append(repr(exc)[:200])
                 break
             done = time.monotonic()
+            counts["total"] += 1
             if clock["start"] <= sent < clock["end"]:
                 latencies.append(done - sent)  # finished late or not: it was sent in the window
             if clock["start"] <= done <= clock["end"]:
@@ -111,7 +112,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = {"start": now + args.warmup, "end": now + args.warmup + args.seconds, "stopped": 0.0}
     latencies: list[float] = []
     errors: list[str] = []
-    counts = {"completed": 0}
+    counts = {"completed": 0, "total": 0}
     extra = {"model": args.model, **json.loads(args.extra)}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -139,6 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     window = clock["end"] - clock["start"]
     return {
         "requests": counts["completed"],
+        "total_requests": counts["total"],
         "seconds": window,
         "rps": counts["completed"] / window,
         "p50": median(latencies),
