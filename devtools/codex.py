@@ -22,15 +22,12 @@ import os
 import re
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from devtools import recording
 from devtools.scripts import Conversation
 
 CLI_VERSION = "0.171.0"
@@ -130,52 +127,10 @@ def _reply_events(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 @contextmanager
 def recording_server(forward_to: str | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """A Responses API on a free port that records every request body, in order, and answers
-    with the script, or passes the request on to `forward_to` (a molt-proxy, or one of its
-    `/s/<session>` paths) and streams its answer back; yields its `/v1` URL and the bodies."""
-    bodies: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            raw = self.rfile.read(int(self.headers["Content-Length"]))
-            bodies.append(json.loads(raw))
-            if forward_to:
-                return self._forward(forward_to, raw)
-            events = "".join(
-                f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in _reply_events(bodies[-1])
-            )
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(events.encode())))
-            self.end_headers()
-            self.wfile.write(events.encode())
-
-        def _forward(self, url: str, raw: bytes) -> None:
-            skip = {"host", "content-length", "connection", "accept-encoding"}
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-            with httpx.stream("POST", url + self.path, content=raw, headers=headers, timeout=600) as answer:
-                self.send_response(answer.status_code)
-                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
-                self.send_header("Connection", "close")  # the body ends where the connection does
-                self.end_headers()
-                for chunk in answer.iter_raw():
-                    self.wfile.write(chunk)
-                    self.wfile.flush()
-            self.close_connection = True
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/v1", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
+    """A Responses API that records what Codex sends and answers with the script, or passes it
+    on to `forward_to` (`recording.recording_server`); yields its `/v1` URL and the bodies."""
+    with recording.recording_server(_reply_events, forward_to) as (url, bodies):
+        yield f"{url}/v1", bodies
 
 
 def capture(root: Path) -> list[dict[str, Any]]:
