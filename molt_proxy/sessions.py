@@ -239,6 +239,7 @@ class Sessions:
         """
         async with session.lock:  # one turn at a time: a new chain takes the next index
             index = segment_index(session.segments, plan)
+            opened = telemetry.opened_reason(session.segments, plan)
             stored = StoredTurn(
                 reply.completion_id,
                 index,
@@ -264,7 +265,7 @@ class Sessions:
                 echo,
             )
             position = len(session.segments[index].turns) - 1
-        telemetry.turn_recorded(session.id, index, position, len(plan.ids), len(generation.token_ids))
+        telemetry.turn_recorded(session.id, index, position, len(plan.ids), len(generation.token_ids), opened)
         turn.created = stored.created
         session.answered(index, request_hash, idempotency_key, reply)
         session.last_active = stored.created

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -39,13 +40,14 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molt_proxy import auth
-from molt_proxy.types import Trajectory
+from molt_proxy.stitching import PromptPlan
+from molt_proxy.types import Segment, Trajectory
 
 log = logging.getLogger("molt_proxy.requests")
 
-CHAIN_REASONS = ("extends_no_chain",)
-"""Why a session opens a chain beyond its first: today only because the request's render
-extends none of its chains (a rewritten history, a sub-agent; `stitching.py`)."""
+CHAIN_REASONS = ("new_conversation", "rewrite")
+"""Why a session opens a chain beyond its first, its request's render extending none of its
+chains (`stitching.py`): `opened_reason` tells them apart."""
 TRAJECTORY_STATUSES = ("rewarded", "unrewarded", "side")
 TOKEN_KINDS = ("prompt", "sampled")
 UNMATCHED = "unmatched"
@@ -157,11 +159,39 @@ class _Live(Collector):
         )
 
 
+def opened_reason(segments: Sequence[Segment], plan: PromptPlan) -> str | None:
+    """Why the planned turn opens a chain beyond the session's first; None: it does not.
+
+    `rewrite`: its prompt starts with the whole first prompt of one of `segments` (the
+    messages that chain began with: system prompt, tools, first user message) and diverges
+    later (or stops there): an edited history, a reply echoed back different in meaning
+    (`echo.py`), a first turn asked again.
+    `new_conversation`: it diverges from each within that first prompt: a sub-agent, a fresh
+    prompt, a history compacted into a new first message.
+
+    Read off the ids the plan already holds (the whole render, tokenized), compared as int
+    arrays in C: no second render, no decoding. Equal ids mean equal bytes; the converse
+    fails only where the tokenizer merges across the end of that first prompt (the template's
+    generation prompt), which would count a rewrite as a new conversation.
+    """
+    if plan.segment is not None or not segments:
+        return None
+    ids = array("i", plan.ids)
+    for segment in segments:
+        head = segment.turns[0].completion_start if segment.turns else 0
+        if head and segment.token_ids[:head] == ids[:head]:
+            return "rewrite"
+    return "new_conversation"
+
+
 # -- hooks for the request path ---------------------------------------------------------------
 
 
-def turn_recorded(session: str, segment: int, turn: int, prompt_tokens: int, sampled_tokens: int) -> None:
-    """A turn was recorded: `turn` is its index in chain `segment` (0 opened the chain)."""
+def turn_recorded(
+    session: str, segment: int, turn: int, prompt_tokens: int, sampled_tokens: int, opened: str | None
+) -> None:
+    """A turn was recorded: `turn` is its index in chain `segment` (0 opened the chain);
+    `opened`: why it opened a chain beyond the session's first (`opened_reason`), if it did."""
     facts = CURRENT.get()
     if facts is None:
         return
@@ -171,8 +201,8 @@ def turn_recorded(session: str, segment: int, turn: int, prompt_tokens: int, sam
     metrics.turns.inc()
     metrics.tokens.labels("prompt").inc(prompt_tokens)
     metrics.tokens.labels("sampled").inc(sampled_tokens)
-    if turn == 0 and segment > 0:
-        metrics.chains.labels("extends_no_chain").inc()
+    if opened is not None:
+        metrics.chains.labels(opened).inc()
 
 
 def upstream_called(replica: str, seconds: float) -> None:

@@ -15,7 +15,8 @@ each out to the replicas, keeping the file path's pause-keep ... resume per repl
             (an NCCL broadcast the trainer runs meanwhile).
     finish  every member: `/finish_weight_update` with the version, `/resume`. The store
             records the version and folder: a replica that comes back later, outside the
-            group, loads the folder.
+            group, loads the folder. The time since `start` is the refresh time
+            (`molt_proxy_refresh_seconds`, as for a refresh through files).
 
 A group is fixed once formed. `start` is refused (409) unless every member is still up and in
 it (a replica taken out leaves the group: a restarted vLLM has no communicator); the trainer
@@ -65,6 +66,8 @@ class TransferGroup:
         """The last phase done; "none" before a group is formed, or after one broke."""
         self._pending: tuple[str, int] | None = None
         """The (folder, version) that `start` announced and `finish` labels."""
+        self._started = 0.0
+        """When `start` began (`time.monotonic()`): `finish` reports the refresh's time."""
 
     async def init(self, init_info: dict[str, Any]) -> list[Replica]:
         members = self._replicas.healthy_replicas()
@@ -94,21 +97,21 @@ class TransferGroup:
             raise Conflict(
                 f"replicas {', '.join(lost)} left the weight-transfer group: refresh through files"
             )
-        self._pending = (weights_dir, version)
+        self._pending, self._started = (weights_dir, version), time.monotonic()
         return await self._step("start", lambda client, _: client.start_weight_update())
 
     async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> list[Replica]:
         self._expect(("start",), "update")
         return await self._step("update", lambda client, _: client.update_weights(update_info))
 
-    async def finish(self) -> tuple[list[Replica], tuple[str, int]]:
-        """The members and the (folder, version) they now serve."""
+    async def finish(self) -> tuple[list[Replica], tuple[str, int], float]:
+        """The members, the (folder, version) they now serve, and the seconds since `start`."""
         self._expect(("update",), "finish")
         assert self._pending is not None
         weights_dir, version = self._pending
         members = await self._step("finish", lambda client, _: client.finish_weight_update(version))
         self._replicas.loaded(members, weights_dir, version)
-        return members, self._pending
+        return members, self._pending, time.monotonic() - self._started
 
     def _expect(self, phases: tuple[str, ...], phase: str) -> None:
         if self.phase not in phases:
@@ -171,8 +174,9 @@ async def transfer(request: Request) -> dict[str, Any]:
                 raise BadRequest("'update_info' must be an object or a list of objects", param="update_info")
             members = await group.update(info)
         else:
-            members, weights = await group.finish()
+            members, weights, refresh_s = await group.finish()
             await proxy.store.save_weights(*weights)
+            proxy.telemetry.refreshed(refresh_s)
     return {"phase": phase, "replicas": [m.url for m in members], "seconds": time.monotonic() - started}
 
 

@@ -15,7 +15,7 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import cache
@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from bench import mock_upstream
 from bench.mock_upstream import build_app as build_mock_vllm
@@ -54,13 +55,18 @@ def mock_reply_ids(model_dir: Path) -> tuple[int, ...]:
 
 
 @contextmanager
-def mock_vllm(model_dir: Path, max_model_len: int = MOCK_MAX_MODEL_LEN) -> Iterator[str]:
+def mock_vllm(
+    model_dir: Path, max_model_len: int = MOCK_MAX_MODEL_LEN, middlewares: Sequence[Middleware] = ()
+) -> Iterator[str]:
     """The stand-in vLLM on a free port, in a thread of its own; yields its base URL. It
-    always samples `REPLY_TEXT` followed by `<|im_end|>`."""
+    always samples `REPLY_TEXT` followed by `<|im_end|>`. `middlewares` (aiohttp's) wrap its
+    routes: a test holds a request there, or fails `/health`."""
     reply_ids = list(mock_reply_ids(model_dir))
     port = free_port()
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_mock_vllm("tiny", REPLY_TEXT, reply_ids, max_model_len), access_log=None)
+    app = build_mock_vllm("tiny", REPLY_TEXT, reply_ids, max_model_len)
+    app.middlewares.extend(middlewares)
+    runner = web.AppRunner(app, access_log=None)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, name="mock-vllm", daemon=True)

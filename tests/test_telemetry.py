@@ -3,25 +3,33 @@ counters equal what happened, read with prometheus_client's own text parser; the
 the key rules of `/v1/trajectories`; `--log-format json` writes one parseable line per request
 with its session, turn and tokens, and never a message's content or a key.
 
-Runs the real app in process in front of the instant stand-in vLLM (`tests/inprocess.py`).
+Runs the real app in process in front of the instant stand-in vLLM (`tests/inprocess.py`);
+for the gauges, stand-ins that hold a turn until the test lets it go, or fail `/health`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client.parser import text_string_to_metric_families
 
 from molt_proxy import logs
 from molt_proxy.cli import parser
+from molt_proxy.config import Settings
 from tests.helpers import write_checkpoint
-from tests.inprocess import inprocess_proxy, post
+from tests.inprocess import inprocess_proxy, mock_reply_ids, mock_vllm, post, qwen3_tokenizer_dir, serve_app
 
 ADMIN_KEY = "admin-telemetry-0123456789abcdef"
 AGENT_KEY = "agent-telemetry-0123456789abcdef"
@@ -111,7 +119,8 @@ def test_metrics_count_a_known_episode_exactly(proxy: str, tmp_path: Path):
         + side_usage["input_tokens"],
         ("molt_proxy_tokens_total", (("kind", "sampled"),)): sum(u["completion_tokens"] for u in usages)
         + side_usage["output_tokens"],
-        ("molt_proxy_chains_opened_total", (("reason", "extends_no_chain"),)): 1,
+        ("molt_proxy_chains_opened_total", (("reason", "new_conversation"),)): 1,  # the system prompt
+        ("molt_proxy_chains_opened_total", (("reason", "rewrite"),)): 0,
         ("molt_proxy_trajectories_total", (("status", "rewarded"),)): 2,
         ("molt_proxy_trajectories_total", (("status", "unrewarded"),)): 0,
         ("molt_proxy_trajectories_total", (("status", "side"),)): 1,
@@ -143,6 +152,110 @@ def test_metrics_count_a_known_episode_exactly(proxy: str, tmp_path: Path):
         "unmatched",
         "/health",
     }
+
+
+def test_a_new_chain_counts_as_a_rewrite_or_a_new_conversation(proxy: str):
+    """A chain opened by a render that starts with a chain's whole first prompt and diverges
+    later is a rewrite (an edited reply, of any chain); one that diverges within every first
+    prompt (a sub-agent's system prompt, a fresh first message) is a new conversation; a turn
+    that continues a chain opens none."""
+    reply = "Hello there."  # what the stand-in vLLM samples
+    plan = [{"role": "user", "content": "Plan a trip."}]
+    search = [{"role": "system", "content": "You search flights."}, {"role": "user", "content": "Find one."}]
+
+    def edited(first: list[dict[str, Any]], answer: str, then: str) -> list[dict[str, Any]]:
+        return [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": then}]
+
+    before = scrape(proxy)
+    script = [
+        plan,  # the session's first chain
+        edited(plan, reply, "To Rome."),  # continues it
+        edited(plan, "I edited this reply.", "To Rome."),  # rewrite
+        search,  # new conversation: a sub-agent
+        edited(search, reply, "Cheaper?"),  # continues the sub-agent's chain
+        edited(search, "Edited too.", "Cheaper?"),  # rewrite of the sub-agent's chain
+        [{"role": "user", "content": "Something else."}],  # new conversation: a fresh prompt
+    ]
+    for messages in script:
+        chat(proxy, "reasons", messages)
+    after = scrape(proxy)
+    rewarded = post(proxy, "/v1/rewards", json={"session_id": "reasons", "reward": 0.5}, headers=ADMIN)
+    assert rewarded.status_code == 200, rewarded.text
+
+    def delta(name: str, *labels: tuple[str, str]) -> float:
+        return after[(name, labels)] - before[(name, labels)]
+
+    assert delta("molt_proxy_turns_total") == 7
+    assert delta("molt_proxy_chains_opened_total", ("reason", "rewrite")) == 2
+    assert delta("molt_proxy_chains_opened_total", ("reason", "new_conversation")) == 2
+    assert [t["trajectory_id"] for t in rewarded.json()["trajectories"]] == [f"reasons:{i}" for i in range(5)]
+
+
+def test_the_gauges_see_turns_in_flight_and_a_replica_down_then_back(tmp_path: Path):
+    """Two turns held at the stand-in vLLMs read 2 in flight, and 0 once answered; a replica
+    whose `/health` fails reads 0 once the health check takes it out, and 1 once it is back."""
+    arrived, release, sick = threading.Semaphore(0), threading.Event(), threading.Event()
+
+    @web.middleware
+    async def hold(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/inference/v1/generate":
+            arrived.release()
+            await asyncio.to_thread(release.wait, 30)
+        return await handler(request)
+
+    @web.middleware
+    async def failing(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/health" and sick.is_set():
+            return web.Response(status=503)
+        return await handler(request)
+
+    model = qwen3_tokenizer_dir()
+    with (
+        mock_vllm(model, middlewares=[hold]) as first,
+        mock_vllm(model, middlewares=[hold, failing]) as second,
+    ):
+        settings = Settings(
+            model=str(model),
+            upstreams=[first, second],
+            db_path=tmp_path / "p.db",
+            admin_key=ADMIN_KEY,
+            health_interval_s=0.1,
+        )
+        with serve_app(settings) as url, ThreadPoolExecutor(2) as pool:
+            in_flight = ("molt_proxy_in_flight_requests", ())
+            assert scrape(url)[in_flight] == 0
+            held = [
+                pool.submit(chat, url, f"held-{i}", [{"role": "user", "content": "hi"}]) for i in range(2)
+            ]
+            for _ in held:
+                assert arrived.acquire(timeout=30), "a turn reached a stand-in vLLM"
+            assert scrape(url)[in_flight] == 2
+            release.set()
+            sampled = len(mock_reply_ids(model))
+            assert [f.result(timeout=30)["usage"]["completion_tokens"] for f in held] == [sampled, sampled]
+            assert scrape(url)[in_flight] == 0
+
+            def healthy() -> list[float]:
+                scraped = scrape(url)
+                return [scraped[("molt_proxy_replica_healthy", (("replica", r),))] for r in (first, second)]
+
+            def up() -> list[bool]:
+                return [r["healthy"] for r in httpx.get(f"{url}/health", timeout=10).json()["replicas"]]
+
+            assert healthy() == [1, 1]
+            sick.set()
+            wait_until(lambda: up() == [True, False], "the health check takes the second replica out")
+            assert healthy() == [1, 0]
+            sick.clear()
+            wait_until(lambda: up() == [True, True], "the second replica is back")
+            assert healthy() == [1, 1]
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def test_metrics_need_the_admin_key_when_keys_are_set(proxy: str):

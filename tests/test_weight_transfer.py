@@ -5,8 +5,9 @@ The transfer itself (vLLM's NCCL or CUDA IPC engines) needs CUDA and is exercise
 `scripts/gpu_check.sh`. Here: which transport a trainer picks, and the exact message sequence
 the trainer's client (`ProxyClient`, called in the order vLLM's `TrainerWeightTransferEngine`
 calls it) makes the proxy send to each replica, on two stand-in vLLMs that record every call:
-ranks per replica, pause before the update, the version on finish, resume; a group a replica
-left refused before anything is paused; phases out of order refused.
+ranks per replica, pause before the update, the version on finish, resume, the refresh timed
+from start to finish in `molt_proxy_refresh_seconds` as for files; a group a replica left
+refused before anything is paused; phases out of order refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from molt_proxy.config import Settings
 from molt_proxy.transfer import TransferClient
@@ -64,6 +66,13 @@ def calls(url: str) -> list[list]:
     return httpx.get(f"{url}/_calls", timeout=10).json()
 
 
+def refresh_seconds(url: str) -> tuple[float, float]:
+    """The count and sum of the proxy's `molt_proxy_refresh_seconds` histogram."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+    samples = {s.name: s.value for f in families if f.name == "molt_proxy_refresh_seconds" for s in f.samples}
+    return samples["molt_proxy_refresh_seconds_count"], samples["molt_proxy_refresh_seconds_sum"]
+
+
 def wait_until(check, what: str) -> None:
     deadline = time.monotonic() + 20
     while not check():
@@ -92,9 +101,14 @@ def test_each_phase_reaches_every_replica_in_order_with_its_own_rank(tmp_path: P
 
             client.init_weight_transfer_engine(NCCL_INIT)
             client.weights = (str(write_checkpoint(tmp_path / "v1")), 1)
+            time.sleep(0.2)  # the refresh is timed from `start`, not from the group's forming
+            began = time.monotonic()
             client.start_weight_update()
             client.update_weights(NCCL_UPDATE)
+            assert refresh_seconds(url) == (0, 0.0)  # not before `finish`
             client.finish_weight_update("1")
+            count, total = refresh_seconds(url)
+            assert count == 1 and 0 < total <= time.monotonic() - began
             for upstream, rank in ((first, 1), (second, 2)):
                 assert calls(upstream) == [
                     ["/init_weight_transfer_engine", {"init_info": {**NCCL_INIT, "rank_offset": rank}}],
