@@ -23,7 +23,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from molt_proxy import auth
+from molt_proxy import auth, store_advantages
 from molt_proxy.errors import NotFound
 from molt_proxy.proxy import Proxy
 from molt_proxy.side import is_side
@@ -105,7 +105,8 @@ def brief(t: dict[str, Any]) -> dict[str, Any]:
 
 @router.get("/ui/api/trajectories/{seq}")
 async def trajectory(request: Request, seq: int) -> dict[str, Any]:
-    """One trajectory as stored, with each token's text and each turn's parsed reply."""
+    """One trajectory as stored, with each token's text, each turn's parsed reply, and the
+    advantages the trainer posted for it (`advantages`, None if it posted none)."""
     proxy = _proxy(request)
     rows = await proxy.store.trajectories_after(max(seq - 1, 0), 1) if 0 < seq <= INT64_MAX else []
     if not rows or rows[0]["seq"] != seq:
@@ -122,6 +123,7 @@ async def trajectory(request: Request, seq: int) -> dict[str, Any]:
             "reasoning_content": reply.reasoning_content,
             "tool_calls": reply.tool_calls,
         }
+    t["advantages"] = await store_advantages.load(proxy.store, t["trajectory_id"])
     return t
 
 
