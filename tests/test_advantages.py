@@ -11,6 +11,7 @@ is +-0.375 and a's turn 1, which no other attempt reached, 0.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,12 @@ def test_posted_advantages_are_stored_read_back_replaced_and_bad_bodies_refused_
         post(url, "/v1/admin/advantages", json={"step": 4, "version": 5, "trajectories": [new_a]})
         assert posted(url, 1) == {"step": 4, "version": 5, "advantage": -1.0, "turn_advantages": None}
     with inprocess_proxy(tmp_path / "p.db") as url:  # durable: a restarted proxy still has them
+        assert posted(url, 2) == b
+    with sqlite3.connect(tmp_path / "p.db") as db:  # a store from before the table: it gains it
+        db.execute("DROP TABLE advantages")
+    with inprocess_proxy(tmp_path / "p.db") as url:
+        assert posted(url, 2) is None
+        post(url, "/v1/admin/advantages", json=body).raise_for_status()
         assert posted(url, 2) == b
 
 
