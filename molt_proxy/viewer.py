@@ -6,7 +6,8 @@ the data they fetch does, under the rules of `/v1/trajectories` (the admin key, 
 set): the routes under `/ui/api/` below, and the trajectory stream itself, which the list
 follows live. What the viewer reads here is what the trainer reads, plus the text of each
 token and each turn's tool calls as the proxy's parser reads them from the sampled ids (a
-closed session's replies are not kept, so they are read again).
+closed session's replies are not kept, so they are read again), and the advantages the trainer
+posted for the trajectory (`advantages.py`).
 
 FastAPI's `/docs` loads Swagger UI from a CDN; here it is served from the copy vLLM ships
 (`vllm/entrypoints/serve/instrumentator/static`), and ReDoc (which vLLM does not ship) is off.
