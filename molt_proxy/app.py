@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from molt_proxy.advantages import router as advantages_router
 from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, UpstreamUnavailable
 from molt_proxy.proxy import Proxy
@@ -92,6 +93,7 @@ def create_app(
     app.include_router(telemetry_router)
     app.include_router(transfer_router)
     app.include_router(viewer_router)
+    app.include_router(advantages_router)
     install_docs(app)
     return app
 

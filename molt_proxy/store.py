@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
+from molt_proxy.store_advantages import SCHEMA as ADVANTAGES_SCHEMA
 from molt_proxy.store_migrations import (
     add_turn_columns,
     decode_reply,
@@ -175,6 +176,7 @@ class Store:
         hash_plain_session_keys(db)
         db.executescript(_SCHEMA)
         db.executescript(RESPONSES_SCHEMA)
+        db.executescript(ADVANTAGES_SCHEMA)
         add_turn_columns(db)
         self._db = db
 
@@ -186,7 +188,8 @@ class Store:
         self._executor.shutdown(wait=True)
 
     async def on_db(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(db, *args)` on the store's thread: the SQL of `store_responses.py`."""
+        """`fn(db, *args)` on the store's thread: the SQL of `store_responses.py` and
+        `store_advantages.py`."""
         return await self._run(fn, self.db, *args)
 
     @property

@@ -6,7 +6,8 @@ the data they fetch does, under the rules of `/v1/trajectories` (the admin key, 
 set): the routes under `/ui/api/` below, and the trajectory stream itself, which the list
 follows live. What the viewer reads here is what the trainer reads, plus the text of each
 token and each turn's tool calls as the proxy's parser reads them from the sampled ids (a
-closed session's replies are not kept, so they are read again).
+closed session's replies are not kept, so they are read again), and the advantages the trainer
+posted for the trajectory (`advantages.py`).
 
 FastAPI's `/docs` loads Swagger UI from a CDN; here it is served from the copy vLLM ships
 (`vllm/entrypoints/serve/instrumentator/static`), and ReDoc (which vLLM does not ship) is off.
@@ -23,7 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from molt_proxy import auth
+from molt_proxy import auth, store_advantages
 from molt_proxy.errors import NotFound
 from molt_proxy.proxy import Proxy
 from molt_proxy.side import is_side
@@ -105,7 +106,8 @@ def brief(t: dict[str, Any]) -> dict[str, Any]:
 
 @router.get("/ui/api/trajectories/{seq}")
 async def trajectory(request: Request, seq: int) -> dict[str, Any]:
-    """One trajectory as stored, with each token's text and each turn's parsed reply."""
+    """One trajectory as stored, with each token's text, each turn's parsed reply, and the
+    advantages the trainer posted for it (`advantages`, None if it posted none)."""
     proxy = _proxy(request)
     rows = await proxy.store.trajectories_after(max(seq - 1, 0), 1) if 0 < seq <= INT64_MAX else []
     if not rows or rows[0]["seq"] != seq:
@@ -122,6 +124,7 @@ async def trajectory(request: Request, seq: int) -> dict[str, Any]:
             "reasoning_content": reply.reasoning_content,
             "tool_calls": reply.tool_calls,
         }
+    t["advantages"] = await store_advantages.load(proxy.store, t["trajectory_id"])
     return t
 
 

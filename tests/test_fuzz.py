@@ -54,6 +54,7 @@ OPERATIONS = [
     ("GET", "/v1/trajectories"),
     ("POST", "/v1/admin/weights"),
     ("POST", "/v1/admin/weights/transfer"),
+    ("POST", "/v1/admin/advantages"),
     ("GET", "/v1/models"),
     ("GET", "/s/{session_id}/v1/models"),
     ("GET", "/health"),

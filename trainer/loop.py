@@ -1,6 +1,7 @@
 """The async training loop: stream → whole sessions, complete groups → advantages
-(`credit.py`) → step → checkpoint → refresh vLLM. Runs as a Ray actor; agents keep running
-against the proxy all the while.
+(`credit.py`) → step → checkpoint → refresh vLLM → the advantages posted to the proxies for
+their viewers (`report.py`). Runs as a Ray actor; agents keep running against the proxy all
+the while.
 
 Steps and versions: a trainer step takes `groups_per_step` groups and runs PPO's schedule on
 them (`Policy.ppo_step`: pi_old once, then `ppo_epochs` x `mini_batches` optimizer steps).
@@ -49,6 +50,7 @@ from trainer.config import TrainerConfig
 from trainer.credit import is_flat, reward_kl, step_advantages
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
+from trainer.report import AdvantageReport
 from trainer.source import TrajectoryStream
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class Trainer:
         self.state = checkpoint.TrainerState()
         self.replicas_behind = 0
         """vLLM replicas that missed the last refresh (`replicas_behind`), in every record."""
+        self.report = AdvantageReport(config.proxy_urls, config.admin_key)
+        """Posts each step's advantages to the proxies, for their viewers."""
         restored = checkpoint.load(self.checkpoint_dir)
         if restored is not None:
             self.state, policy_state = restored
@@ -126,6 +130,7 @@ class Trainer:
                         self._evaluated(trajectory)
                     else:
                         buffer.add(trajectory)
+                        self.report.taken(source, trajectory.trajectory_id)
                 ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
@@ -227,6 +232,7 @@ class Trainer:
         evaluations = self._eval_rewards()
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
+        self.report.post(trajectories, batch.advantages, state.step, state.version)
         sampled = [
             (state.version - 1) - v
             for t in trajectories
@@ -256,6 +262,7 @@ class Trainer:
             "dropped_stale_groups": state.dropped_stale_groups,
             "dropped_flat_groups": state.dropped_flat_groups,
             "replicas_behind": self.replicas_behind,
+            "advantage_posts_failed": self.report.failed,
             **({"eval_reward": evaluations} if evaluations else {}),
             **{f"skipped_steps_{reason}": n for reason, n in sorted(state.skipped_steps.items())},
         }

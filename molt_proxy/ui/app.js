@@ -1,7 +1,8 @@
 // molt-proxy's trajectory viewer: read-only pages over the proxy's own routes.
-//   #/            open sessions and finalized trajectories (filters; live from the stream)
+//   #/            open sessions and finalized trajectories (filters; live from the stream);
+//                 #/?group=..&status=..&min=..&max=.. opens it filtered (the filters keep it so)
 //   #/t/<seq>     one trajectory: tokens coloured by logprob, loss mask, turns, versions, tool calls
-//   #/g/<group>   the attempts of one group side by side
+//   #/g/<group>   the attempts of one group side by side, with the advantages the trainer posted
 // With keys on, the data routes need the admin key; it is kept in this tab's sessionStorage.
 "use strict";
 
@@ -89,7 +90,7 @@ async function follow() {
       if (t.seq <= state.lastSeq) continue;
       state.lastSeq = t.seq;
       state.trajectories.push(brief(t));
-      if (location.hash === "" || location.hash === "#/") renderList();
+      if (onList()) renderList();
     }
   }
   live.className = "live off";
@@ -99,6 +100,19 @@ async function follow() {
 // -- the list ----------------------------------------------------------------------------------
 
 const filters = { group: "", status: "", min: "", max: "" };
+const onList = () => !location.hash.startsWith("#/t/") && !location.hash.startsWith("#/g/");
+
+function readFilters() {
+  const query = new URLSearchParams(location.hash.split("?")[1] || "");
+  for (const name of Object.keys(filters)) filters[name] = query.get(name) || "";
+}
+
+function setFilter(name, value) {
+  filters[name] = value;
+  const query = new URLSearchParams(Object.entries(filters).filter(([, v]) => v !== ""));
+  history.replaceState(null, "", `#/${query.size ? "?" + query : ""}`);
+  renderList();
+}
 
 function shown(t) {
   if (filters.group && !t.group_id.includes(filters.group)) return false;
@@ -112,7 +126,7 @@ function filterBar() {
   const bar = el("div", { class: "filters" });
   const input = (name, placeholder, type = "text") => {
     const box = el("input", { type, placeholder, value: filters[name], id: `filter-${name}` });
-    box.addEventListener("change", () => { filters[name] = box.value; renderList(); });
+    box.addEventListener("change", () => setFilter(name, box.value));
     return box;
   };
   const status = el("select", { id: "filter-status" });
@@ -121,7 +135,7 @@ function filterBar() {
     if (value === filters.status) option.selected = true;
     status.append(option);
   }
-  status.addEventListener("change", () => { filters.status = status.value; renderList(); });
+  status.addEventListener("change", () => setFilter("status", status.value));
   bar.append("group", input("group", "contains"), status, "reward ≥", input("min", "min", "number"),
     "≤", input("max", "max", "number"));
   return bar;
@@ -188,6 +202,8 @@ function turnBlock(t, turn, index) {
     el("span", { text: `weights v${versions.join(", v")}` }), el("span", { text: `mean logprob ${fmt(mean)}` }));
   if (turn.reward !== null && turn.reward !== undefined) head.append(el("span", { text: `turn reward ${fmt(turn.reward)}` }));
   if (turn.constrained) head.append(el("span", { text: "constrained" }));
+  const perTurn = t.advantages && t.advantages.turn_advantages;
+  if (perTurn) head.append(el("span", { class: "turn-advantage", text: `advantage ${fmt(perTurn[index])}` }));
   const tokens = el("div", { class: "tokens" });
   for (let i = turn.prompt_start; i < turn.completion_end; i++) {
     if (i === turn.completion_start) tokens.append(el("span", { class: "boundary", text: "▼ sampled" }));
@@ -219,6 +235,7 @@ async function renderTrajectory(seq) {
   row("info", JSON.stringify(t.info));
   row("tokens", `${t.token_ids.length}, of which ${t.loss_mask.reduce((a, b) => a + b, 0)} sampled (loss mask 1)`);
   row("model", t.model);
+  row("advantage", advantageText(t, null));
   const legend = el("div", { class: "legend" }, "sampled token p = exp(logprob): 0", el("span", { class: "scale" }), "1",
     el("span", { class: "tok prompt legend", text: " grey: prompt, mask 0" }));
   const turns = el("div", { id: "turns" });
@@ -237,6 +254,17 @@ async function renderTrajectory(seq) {
 
 // -- one group -----------------------------------------------------------------------------
 
+function advantageText(t, mean) {
+  const a = t.advantages;
+  if (a) {
+    const value = a.turn_advantages ? `turn advantages ${a.turn_advantages.map((x) => fmt(x)).join(", ")}`
+      : `advantage ${fmt(a.advantage)}`;
+    return `${value} (posted by the trainer: step ${a.step}, weights v${a.version})`;
+  }
+  if (mean === null) return "– (not posted by the trainer)";
+  return `reward − group mean ${t.reward === null ? "–" : fmt(t.reward - mean)} (the trainer posted no advantage)`;
+}
+
 async function renderGroup(group) {
   const members = state.trajectories.filter((t) => t.group_id === group);
   const rewards = members.filter((t) => t.reward !== null).map((t) => t.reward);
@@ -245,12 +273,14 @@ async function renderGroup(group) {
   for (const m of members) {
     const t = await api(`/ui/api/trajectories/${m.seq}`);
     const body = el("div", { class: "tokens" });
-    t.turns.forEach((turn) => {
-      body.append(el("span", { class: "boundary", text: `turn ${turn.completion_id.slice(-6)}` }));
+    const perTurn = t.advantages && t.advantages.turn_advantages;
+    t.turns.forEach((turn, k) => {
+      const label = `turn ${turn.completion_id.slice(-6)}${perTurn ? ` · advantage ${fmt(perTurn[k])}` : ""}`;
+      body.append(el("span", { class: "boundary", text: label }));
       for (let i = turn.completion_start; i < turn.completion_end; i++) body.append(tokenSpan(t, i));
     });
     const head = el("div", { class: "head" }, el("a", { href: `#/t/${t.seq}`, text: t.trajectory_id }), el("br"),
-      `reward ${fmt(t.reward)} · reward − group mean ${mean === null || t.reward === null ? "–" : fmt(t.reward - mean)}` +
+      el("span", { class: "advantage", text: `reward ${fmt(t.reward)} · ${advantageText(t, mean)}` }),
       ` · ${t.turns.length} turns`);
     row.append(el("div", { class: "attempt" }, head, body));
   }
@@ -265,7 +295,7 @@ async function route() {
   try {
     if (page === "t") await renderTrajectory(Number(arg));
     else if (page === "g") await renderGroup(decodeURIComponent(arg));
-    else await renderList();
+    else { readFilters(); await renderList(); }
   } catch (error) {
     main.replaceChildren(el("p", { class: "error", text: error.message }));
   }
@@ -284,7 +314,7 @@ async function start() {
   if (state.following) return;
   state.following = true;
   follow();
-  setInterval(() => { if (location.hash === "" || location.hash === "#/") renderList(); }, 5000);
+  setInterval(() => { if (onList()) renderList(); }, 5000);
 }
 
 window.addEventListener("hashchange", route);
