@@ -4,9 +4,11 @@ with TensorBoard's own event reader. (Through a real `Trainer` run: tests/traine
 
 from __future__ import annotations
 
+import logging
 import struct
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from molt_proxy.cli import parser
@@ -80,3 +82,20 @@ def test_the_tensorboard_flag_reaches_the_trainer_config(tmp_path: Path):
     assert config_from_args(args, "http://proxy", "m").tensorboard == tmp_path / "tb"
     args = parser().parse_args(["serve", "--model", "m", "--train"])
     assert config_from_args(args, "http://proxy", "m").tensorboard is None
+
+
+def test_evaluations_with_no_step_taken_go_to_the_log_and_the_curve(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """metrics.jsonl holds one record per step taken: none taken, it stays absent."""
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=tmp_path / "tb")
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        log.add_evaluations({"0": 0.25})
+
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "evaluation reward by weight version, no step taken: {'0': 0.25}"
+    ]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("eval_reward")] == [(0, 0.25)]
