@@ -150,14 +150,16 @@ class Trainer:
 
     def _wind_down(self, stream: TrajectoryStream, buffer: GroupBuffer, ready: list[Group]) -> None:
         """After the last step, in a run with evaluation episodes: those of the final weights
-        (`evaluation.py`), until none came for `evaluation.WAIT_S`, added to the last record with
-        any left from skipped steps. What else arrives meanwhile is pending work in the
-        checkpoint, as after a step: a resumed run trains on it."""
+        (`evaluation.py`), until none came for `evaluation.WAIT_S` (at most `group_timeout_s` in
+        all: an evaluator that never stops must not keep the run alive), added to the last
+        record with any left from skipped steps. What else arrives meanwhile is pending work in
+        the checkpoint, as after a step: a resumed run trains on it."""
         state = self.state
         if not (self.evaluating or state.evaluations):
             return
+        deadline = time.monotonic() + self.config.group_timeout_s
         quiet_until = time.monotonic() + evaluation.WAIT_S
-        while time.monotonic() < quiet_until:
+        while time.monotonic() < min(quiet_until, deadline):
             taken = stream.get(timeout_s=0.2)
             if taken is not None and self._take(*taken, buffer):
                 quiet_until = time.monotonic() + evaluation.WAIT_S

@@ -18,7 +18,7 @@ from molt_proxy.types import Trajectory
 from tests.trainer.builders import episodes, turns
 from trainer import checkpoint, evaluation, loop
 from trainer.batch import Batch
-from trainer.buffer import Group
+from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig
 from trainer.metrics import eval_points, read, scalars
@@ -259,6 +259,33 @@ def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
     assert torch.equal(batch.advantages != 0, batch.loss_mask.bool())
     state, _ = checkpoint.load(tmp_path / "checkpoint")
     assert state.trained == [["b:0", "a:0", "a:1"]]
+
+
+def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(model_dir: Path, tmp_path: Path) -> None:
+    """After the last step the trainer waits for evaluations while they keep coming, but no
+    longer than `group_timeout_s` in all; what it took is in the checkpoint."""
+
+    class Endless:
+        def __init__(self) -> None:
+            self.seq = 0
+
+        def get(self, timeout_s: float) -> tuple[int, Trajectory]:
+            time.sleep(0.05)
+            self.seq += 1
+            return 0, episodes(self.seq, f"eval/{self.seq}", (1.0, 1.0), version=0)[0]
+
+    config = TrainerConfig(
+        proxy_url="http://unused", model=str(model_dir), out_dir=tmp_path, group_size=2, group_timeout_s=1.0
+    )
+    trainer = loop.Trainer(config)
+    trainer.evaluating = True
+    stream, started = Endless(), time.monotonic()
+
+    trainer._wind_down(stream, GroupBuffer(2, 1.0), [])
+
+    assert 1.0 <= time.monotonic() - started < evaluation.WAIT_S
+    state, _ = checkpoint.load(tmp_path / "checkpoint")
+    assert state.cursors == [stream.seq] and len(state.consumed) == stream.seq and state.evaluations == []
 
 
 def float32(value: float) -> float:
