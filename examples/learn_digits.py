@@ -4,9 +4,9 @@ weights in vLLM, while the agents keep running.
 The task is small enough for a tiny random model on 2 CPU cores to visibly learn: each
 episode asks for a number, and the reward is the share of digits in the reply. A random
 model writes almost no digits (its small byte-level vocabulary has ~300 tokens), so the
-reward starts near 0 and has all the way to 1 to climb. Every few steps a few greedy episodes
-run as evaluation sessions (`"train": false`): never trained on, their reward logged per
-weight version.
+reward starts near 0 and has all the way to 1 to climb. Every few steps, and after the last,
+a few greedy episodes run as evaluation sessions (`"train": false`): never trained on, their
+reward logged per weight version.
 
     python examples/learn_digits.py      # writes runs/digits/ (reward_curve.png among it)
 """
@@ -70,20 +70,25 @@ class Agents:
 
 
 class Evaluator(threading.Thread):
-    """Every `every` trainer steps (and before the first), `episodes` greedy episodes in
-    evaluation sessions (`"train": false`): recorded and rewarded, never trained on; the
-    trainer logs their reward per weight version (`eval_reward`)."""
+    """Every `every` trainer steps (and before the first, and once all `steps` are logged: the
+    trainer waits for those), `episodes` greedy episodes in evaluation sessions (`"train":
+    false`): recorded and rewarded, never trained on; the trainer logs their reward per weight
+    version (`eval_reward`). A skipped step (a solved batch) writes no line: after one, the
+    final weights are evaluated only if their version is a multiple of `every`."""
 
-    def __init__(self, proxy_url: str, metrics: Path, every: int, episodes: int, stop: threading.Event):
+    def __init__(
+        self, proxy_url: str, metrics: Path, every: int, steps: int, episodes: int, stop: threading.Event
+    ):
         super().__init__(daemon=True)
         self.proxy_url, self.metrics, self.stop = proxy_url, metrics, stop
-        self.every, self.episodes = every, episodes
+        self.every, self.steps, self.episodes = every, steps, episodes
 
     def run(self) -> None:
         http = httpx.Client(base_url=self.proxy_url, timeout=120)
         evaluated = -1
         while not self.stop.wait(1.0):
-            due = len(read(self.metrics)) // self.every
+            done = len(read(self.metrics))
+            due = done if done >= self.steps else done - done % self.every  # the version to evaluate
             if due == evaluated:
                 continue
             evaluated = due
@@ -141,7 +146,7 @@ def main() -> None:
     # batch, all rewards equal, is skipped and writes no metrics line).
     curve = out / "train" / "reward_curve.png"
     agents = Agents(server.url, args.agents, args.group_size, curve.exists)
-    evaluator = Evaluator(server.url, metrics, args.eval_every, args.eval_episodes, agents.stop)
+    evaluator = Evaluator(server.url, metrics, args.eval_every, args.steps, args.eval_episodes, agents.stop)
     try:
         server.wait(timeout_s=600)
         print(f"watch the run: {server.url}/ui (trajectories, live) and {server.url}/metrics", flush=True)

@@ -1,8 +1,14 @@
-"""How `serve` writes its log (`--log-format text|json`): every line, the proxy's, the trainer's
-and uvicorn's, through one handler on stderr. JSON puts one object a line, with the fields a
-line carries (`extra={"fields": {...}}`, as the request lines of `telemetry.py` do) at its top
-level, for log collectors that index them. Nothing here adds content: what a line says is up to
-whoever logs it, and no line of the proxy holds a message's content or a key."""
+"""How `serve` writes its log (`--log-format text|json`): every line logged in the `serve`
+process, the proxy's and uvicorn's, through one handler on stderr. JSON puts one object a line,
+with the fields a line carries (`extra={"fields": {...}}`, as the request lines of
+`telemetry.py` do) at its top level, for log collectors that index them. Nothing here adds
+content: what a line says is up to whoever logs it, and no line of the proxy holds a message's
+content or a key.
+
+Not the trainer's: under `serve --train` it is a Ray actor in a process of its own, which this
+does not configure; Ray forwards what that process prints, prefixed `(Trainer pid=N)`, and those
+lines are not in this format (not JSON). Its per-step progress lines are printed as plain text
+(`trainer/run.py`); its metrics, machine-readable, are in `metrics.jsonl`."""
 
 from __future__ import annotations
 

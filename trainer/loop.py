@@ -41,8 +41,7 @@ import httpx
 import torch
 
 from molt_proxy.types import Trajectory
-from molt_proxy.wire.control import EVAL_GROUP_PREFIX
-from trainer import checkpoint, transfer
+from trainer import checkpoint, evaluation, transfer
 from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
@@ -100,6 +99,10 @@ class Trainer:
         """vLLM replicas that missed the last refresh (`replicas_behind`), in every record."""
         self.report = AdvantageReport(config.proxy_urls, config.admin_key)
         """Posts each step's advantages to the proxies, for their viewers."""
+        self.evaluating = False
+        """Whether this run has taken evaluation episodes: it then waits for the final weights'."""
+        self.recorded_evaluations: list[tuple[int, float]] = []
+        """The (version, reward) pairs in the last record's `eval_reward`."""
         restored = checkpoint.load(self.checkpoint_dir)
         if restored is not None:
             self.state, policy_state = restored
@@ -124,18 +127,13 @@ class Trainer:
             while self._steps_done() < config.max_steps:
                 taken = stream.get(timeout_s=0.2)
                 if taken is not None:
-                    source, trajectory = taken
-                    state.cursors[source] = trajectory.seq
-                    if trajectory.group_id.startswith(EVAL_GROUP_PREFIX):
-                        self._evaluated(trajectory)
-                    else:
-                        buffer.add(trajectory)
-                        self.report.taken(source, trajectory.trajectory_id)
+                    self._take(*taken, buffer)
                 ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
                     self._step(groups, pending=[t for g in ready for t in g.trajectories] + buffer.pending())
                     ready = self._admit(ready)  # the version moved on: a waiting group may be stale now
+            self._wind_down(stream, buffer, ready)
         finally:
             stream.stop()
         records = read(self.metrics.path)
@@ -143,22 +141,39 @@ class Trainer:
             plot_reward_curve(records, config.out_dir / "reward_curve.png")
         return {"step": state.step, "version": state.version, "cursors": state.cursors}
 
-    def _evaluated(self, trajectory: Trajectory) -> None:
-        """An evaluation episode (group `eval/...`): never trained on, consumed; its reward
-        (once per session) is kept under the weight version that sampled it, the latest of its
-        tokens', for the next metrics record."""
-        self.state.consumed.append(trajectory.trajectory_id)
-        sampled = [v for v, m in zip(trajectory.weight_versions, trajectory.loss_mask, strict=True) if m]
-        if trajectory.reward is not None and trajectory.segment == 0 and sampled:
-            self.state.evaluations.append((max(sampled), trajectory.reward))
+    def _take(self, source: int, trajectory: Trajectory, buffer: GroupBuffer) -> bool:
+        """Take a trajectory off proxy `source`'s stream: an evaluation episode (`evaluation.py`)
+        is logged, never trained on; any other goes to the buffer. True for an evaluation."""
+        self.state.cursors[source] = trajectory.seq
+        if not evaluation.is_evaluation(trajectory):
+            buffer.add(trajectory)
+            self.report.taken(source, trajectory.trajectory_id)
+            return False
+        evaluation.take(self.state, trajectory)
+        self.evaluating = True
+        return True
 
-    def _eval_rewards(self) -> dict[str, float]:
-        """{version: mean reward} of the evaluation episodes since the last record; clears them."""
-        by_version: dict[int, list[float]] = {}
-        for version, reward in self.state.evaluations:
-            by_version.setdefault(int(version), []).append(reward)
-        self.state.evaluations = []
-        return {str(v): sum(rewards) / len(rewards) for v, rewards in sorted(by_version.items())}
+    def _wind_down(self, stream: TrajectoryStream, buffer: GroupBuffer, ready: list[Group]) -> None:
+        """After the last step, in a run with evaluation episodes: those of the final weights
+        (`evaluation.py`), until none came for `evaluation.WAIT_S` (at most `group_timeout_s` in
+        all: an evaluator that never stops must not keep the run alive), added to the last
+        record with any left from skipped steps. What else arrives meanwhile is pending work in
+        the checkpoint, as after a step: a resumed run trains on it."""
+        state = self.state
+        if not (self.evaluating or state.evaluations):
+            return
+        deadline = time.monotonic() + self.config.group_timeout_s
+        quiet_until = time.monotonic() + evaluation.WAIT_S
+        while time.monotonic() < min(quiet_until, deadline):
+            taken = stream.get(timeout_s=0.2)
+            if taken is not None and self._take(*taken, buffer):
+                quiet_until = time.monotonic() + evaluation.WAIT_S
+        if state.evaluations:
+            self.recorded_evaluations += state.evaluations
+            state.evaluations = []
+            self.metrics.add_evaluations(evaluation.means(self.recorded_evaluations))
+        state.pending = [t for g in ready for t in g.trajectories] + buffer.pending()
+        checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
 
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The groups a step can learn from; the others are dropped, their trajectories
@@ -229,7 +244,8 @@ class Trainer:
         state.version += 1
         state.optimizer_steps += int(step_metrics["optimizer_steps"])
         state.trained.append([t.trajectory_id for t in trajectories])
-        evaluations = self._eval_rewards()
+        evaluations = evaluation.means(state.evaluations)
+        self.recorded_evaluations, state.evaluations = state.evaluations, []
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
         self.report.post(trajectories, batch.advantages, state.step, state.version)

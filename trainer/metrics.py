@@ -4,15 +4,20 @@ progress line, and the reward curve."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
     """`metrics.jsonl` at `path`, and with `tensorboard` every numeric field of each record as a
     TensorBoard scalar in that folder too, under its own name (nested fields as `a/b`), at the
-    record's `step` and `time`. Generic over the fields: a new metric shows up in both."""
+    record's `step` and `time`. Generic over the fields: a new metric shows up in both. The one
+    exception is `eval_reward` ({version: mean}): one `eval_reward` curve at step = version."""
 
     def __init__(self, path: Path, tensorboard: Path | None = None):
         self.path = Path(path)
@@ -28,10 +33,34 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self.board is not None:
             step, walltime = record.get("step"), record.get("time")
-            for name, value in scalars(record):
+            for name, value in scalars({k: v for k, v in record.items() if k != "eval_reward"}):
                 if name not in ("step", "time"):
                     self.board.add_scalar(name, value, global_step=step, walltime=walltime)
-            self.board.flush()  # readable while the run goes on
+            self._board_evaluations(record.get("eval_reward", {}), walltime)
+
+    def add_evaluations(self, eval_reward: dict[str, float]) -> None:
+        """Evaluations that came after the last record (the final weights'): merged into its
+        `eval_reward` (a version in both takes these means), so that metrics.jsonl keeps one
+        record per step taken. The file is replaced whole: a reader sees it before or after.
+        With no record (no step taken) they go to the log instead."""
+        records = read(self.path)
+        last = records[-1] if records else {}
+        earlier = last.get("eval_reward", {})
+        if records:
+            last["eval_reward"] = {**earlier, **eval_reward}
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+            os.replace(tmp, self.path)
+        else:
+            log.info("evaluation reward by weight version, no step taken: %s", eval_reward)
+        if self.board is not None:
+            changed = {v: r for v, r in eval_reward.items() if earlier.get(v) != r}
+            self._board_evaluations(changed, walltime=None)  # logged now
+
+    def _board_evaluations(self, eval_reward: dict[str, float], walltime: float | None) -> None:
+        for version, reward in eval_reward.items():
+            self.board.add_scalar("eval_reward", reward, global_step=int(version), walltime=walltime)
+        self.board.flush()  # readable while the run goes on
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -76,7 +105,7 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, alpha=0.35, label="batch mean reward")
     ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window})")
-    evaluated = sorted((int(v), r) for record in records for v, r in record.get("eval_reward", {}).items())
+    evaluated = eval_points(records)
     if evaluated:
         # version k is the policy after k steps: evaluations sit on the step axis
         ax.plot(*zip(*evaluated, strict=True), "o", label="evaluation reward (by weight version)")
@@ -89,3 +118,8 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return Path(out)
+
+
+def eval_points(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(weight version, mean evaluation reward) of every record's `eval_reward`, by version."""
+    return sorted((int(v), r) for record in records for v, r in record.get("eval_reward", {}).items())

@@ -49,3 +49,40 @@ def session(first_seq: int, name: str, group: str, reward: float, segments: int)
         trajectory(first_seq + i, name, group, reward, segment=i, num_segments=segments)
         for i in range(segments)
     ]
+
+
+def episodes(first_seq: int, name: str, rewards: tuple[float, float], version: int, logprob: float = -1.0):
+    """A group `name` of two episodes that share their prompt and differ in every sampled token.
+    Identical ones with opposite advantages have a gradient of exactly 0 (their shared tokens
+    are computed once): only rounding noise, which Adam's first step would blow up to a full
+    step of lr."""
+    return [
+        trajectory(
+            first_seq + i,
+            f"{name}-{i}",
+            name,
+            reward,
+            token_ids=[1, 2, 3 + 2 * i, 4 + 2 * i],
+            version=version,
+            logprobs=[logprob, logprob],
+        )
+        for i, reward in enumerate(rewards)
+    ]
+
+
+def turns(
+    seq: int, session: str, rewards: list[float | None], final: float, *, segment: int = 0, segments: int = 1
+) -> Trajectory:
+    """A segment of len(rewards) turns (per-turn rewards `rewards`), each one prompt token then
+    two sampled ones: [p s s p s s ...]; turn k samples positions 3k+1 and 3k+2."""
+    n = len(rewards)
+    record = trajectory(seq, session, reward=final, segment=segment, num_segments=segments)
+    record.token_ids = list(range(1, 3 * n + 1))
+    record.loss_mask = [0, 1, 1] * n
+    record.logprobs = [0.0, -1.0, -1.0] * n
+    record.weight_versions = [NOT_SAMPLED, 0, 0] * n
+    record.turns = [
+        Turn(f"c{seq}-{k}", 3 * k, 3 * k + 1, 3 * k + 3, "stop", reward=r, sampling=Sampling())
+        for k, r in enumerate(rewards)
+    ]
+    return record

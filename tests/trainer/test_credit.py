@@ -7,29 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molt_proxy.types import NOT_SAMPLED, Sampling, Trajectory, Turn
-from tests.trainer.builders import trajectory
+from tests.trainer.builders import turns
 from trainer.advantage import Estimator
 from trainer.buffer import Group
 from trainer.credit import is_flat, step_advantages
-
-
-def turns(
-    seq: int, session: str, rewards: list[float | None], final: float, *, segment: int = 0, segments: int = 1
-) -> Trajectory:
-    """A segment of len(rewards) turns, each one prompt token then two sampled ones:
-    [p s s p s s ...]; turn k samples positions 3k+1 and 3k+2."""
-    n = len(rewards)
-    record = trajectory(seq, session, reward=final, segment=segment, num_segments=segments)
-    record.token_ids = list(range(1, 3 * n + 1))
-    record.loss_mask = [0, 1, 1] * n
-    record.logprobs = [0.0, -1.0, -1.0] * n
-    record.weight_versions = [NOT_SAMPLED, 0, 0] * n
-    record.turns = [
-        Turn(f"c{seq}-{k}", 3 * k, 3 * k + 1, 3 * k + 3, "stop", reward=r, sampling=Sampling())
-        for k, r in enumerate(rewards)
-    ]
-    return record
 
 
 def test_a_three_turn_episode_gets_per_turn_advantages_on_its_tokens() -> None:

@@ -1,22 +1,27 @@
 """The real `Trainer.run` on a tiny model, with the stream and the vLLM refresh stubbed: steps
 that would change nothing are skipped and counted, stale groups dropped, versions count the
-trainer steps and the optimizer steps are counted apart."""
+trainer steps and the optimizer steps are counted apart; per-turn credit reaches the step;
+evaluations, the final weights' too, and every metric reach metrics.jsonl and TensorBoard."""
 
 from __future__ import annotations
 
+import struct
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from devtools import build_tiny_model
 from molt_proxy.types import Trajectory
-from tests.trainer.builders import trajectory
-from trainer import checkpoint, loop
-from trainer.buffer import Group
+from tests.trainer.builders import episodes, turns
+from trainer import checkpoint, evaluation, loop
+from trainer.batch import Batch
+from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig
-from trainer.metrics import read
+from trainer.metrics import eval_points, read, scalars
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +39,24 @@ class Stream:
         return self
 
     def get(self, timeout_s: float) -> tuple[int, Trajectory] | None:
-        return (0, self.records.pop(0)) if self.records else None
+        if not self.records:
+            time.sleep(timeout_s)  # as the real one waits
+            return None
+        return 0, self.records.pop(0)
 
     def stop(self) -> None:
         pass
-
-
-def group(first_seq: int, name: str, rewards: tuple[float, float], version: int, logprob: float = -1.0):
-    """Two episodes that share their prompt and differ in every sampled token. Identical ones with
-    opposite advantages have a gradient of exactly 0 (their shared tokens are computed once):
-    only rounding noise, which Adam's first step would blow up to a full step of lr."""
-    return [
-        trajectory(
-            first_seq + i,
-            f"{name}-{i}",
-            name,
-            reward,
-            token_ids=[1, 2, 3 + 2 * i, 4 + 2 * i],
-            version=version,
-            logprobs=[logprob, logprob],
-        )
-        for i, reward in enumerate(rewards)
-    ]
 
 
 def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_consumed(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     records = [
-        *group(1, "first", (1.0, 0.0), version=0),  # step 1 (version 0 -> 1)
-        *group(3, "tie", (1.0, 1.0), version=1),  # every advantage 0
-        *group(5, "masked", (1.0, 0.0), version=1, logprob=40.0),  # pi_old / mu ~ e^-50 < is_low
-        *group(7, "stale", (1.0, 0.0), version=0),  # 1 version old, max_staleness 0
-        *group(9, "second", (0.0, 1.0), version=1),  # step 2
+        *episodes(1, "first", (1.0, 0.0), version=0),  # step 1 (version 0 -> 1)
+        *episodes(3, "tie", (1.0, 1.0), version=1),  # every advantage 0
+        *episodes(5, "masked", (1.0, 0.0), version=1, logprob=40.0),  # pi_old / mu ~ e^-50 < is_low
+        *episodes(7, "stale", (1.0, 0.0), version=0),  # 1 version old, max_staleness 0
+        *episodes(9, "second", (0.0, 1.0), version=1),  # step 2
     ]
     monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
     refreshed: list[int] = []
@@ -126,7 +116,7 @@ def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
     trainer = loop.Trainer(config)
     trainer.state.version = trainer.state.step = 9  # tokens of version 0 are 9 > max_staleness 4 old
     trainer.policy.ppo_step = lambda *args, **kwargs: pytest.fail("a step ran on stale tokens only")
-    stale = Group("g", group(1, "g", (1.0, 0.0), version=0))
+    stale = Group("g", episodes(1, "g", (1.0, 0.0), version=0))
 
     trainer._step([stale], pending=[])
 
@@ -141,15 +131,20 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
     """A and B are in the checkpoint's pending work, so both are ready at once; the step on A
     moves the version to 1, which makes the waiting B (version 0, max_staleness 0) stale. C is
     flat (both episodes rewarded 1) and dropped; it counts a step's worth towards max_steps.
-    E is an evaluation group: never trained on, its mean reward logged under its version."""
-    waiting = [*group(1, "A", (1.0, 0.0), version=0), *group(3, "B", (0.0, 1.0), version=0)]
+    E is an evaluation group: never trained on, its mean reward logged under its version. F
+    evaluates the final weights and arrives after the last step, with G to train on: the run
+    waits for F and adds it to the last record; G is pending work in the checkpoint."""
+    waiting = [*episodes(1, "A", (1.0, 0.0), version=0), *episodes(3, "B", (0.0, 1.0), version=0)]
     records = [
-        *group(5, "C", (1.0, 1.0), version=1),
-        *group(7, "eval/E", (0.25, 0.75), version=1),
-        *group(9, "D", (0.0, 1.0), version=1),
+        *episodes(5, "C", (1.0, 1.0), version=1),
+        *episodes(7, "eval/E", (0.25, 0.75), version=1),
+        *episodes(9, "D", (0.0, 1.0), version=1),
+        *episodes(11, "G", (1.0, 0.0), version=2),
+        *episodes(13, "eval/F", (1.0, 0.5), version=2),
     ]
     monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
+    monkeypatch.setattr(evaluation, "WAIT_S", 1.0)
     config = TrainerConfig(
         proxy_url="http://unused",
         model=str(model_dir),
@@ -160,6 +155,7 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
         lr=1e-3,
         drop_flat_groups=True,
         loss=LossConfig(max_staleness=0),
+        tensorboard=tmp_path / "tb",
     )
     trainer = loop.Trainer(config)
     trainer.state.pending = waiting
@@ -172,17 +168,129 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
 
     trainer.policy.ppo_step = spy
 
-    assert trainer.run() == {"step": 2, "version": 2, "cursors": [10]}
+    assert trainer.run() == {"step": 2, "version": 2, "cursors": [14]}
 
     state, _ = checkpoint.load(tmp_path / "checkpoint")
     assert state.trained == [["A-0:0", "A-1:0"], ["D-0:0", "D-1:0"]]
-    assert sorted(state.consumed) == ["B-0:0", "B-1:0", "C-0:0", "C-1:0", "eval/E-0:0", "eval/E-1:0"]
+    assert sorted(state.consumed) == [
+        "B-0:0", "B-1:0", "C-0:0", "C-1:0", "eval/E-0:0", "eval/E-1:0", "eval/F-0:0", "eval/F-1:0"
+    ]  # fmt: skip
+    assert [t.trajectory_id for t in state.pending] == ["G-0:0", "G-1:0"] and state.cursors == [14]
     assert (state.dropped_stale_groups, state.dropped_flat_groups, state.skipped_steps) == (1, 1, {})
     assert calls == [0, 1]  # the policy stepped on A and D only
-    last = read(tmp_path / "metrics.jsonl")[-1]
+    records = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]  # one record per step taken, evaluations or not
+    last = records[-1]
     assert (last["dropped_stale_groups"], last["dropped_flat_groups"]) == (1, 1)
     assert last["entropy"] > 0.0 and "kl_ref" not in last  # no reference without --kl-coef
-    assert last["eval_reward"] == {"1": 0.5} and state.evaluations == []
+    assert last["eval_reward"] == {"1": 0.5, "2": 0.75} and state.evaluations == []
+    assert eval_points(records) == [(1, 0.5), (2, 0.75)]  # the reward curve's dots
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+    # TensorBoard holds every numeric field of each step's record at that step, and one
+    # eval_reward curve by weight version, as TensorBoard's own reader reads the event file.
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    expected: dict[str, list[tuple[int, float]]] = {"eval_reward": [(1, 0.5), (2, 0.75)]}
+    for record in records:
+        for name, value in scalars(
+            {k: v for k, v in record.items() if k not in ("step", "time", "eval_reward")}
+        ):
+            expected.setdefault(name, []).append((record["step"], float32(value)))
+    assert sorted(board.Tags()["scalars"]) == sorted(expected)
+    assert {"reward_mean", "entropy", "is_ratio_mean", "replicas_behind"} <= set(expected)
+    for tag, points in expected.items():
+        assert [(s.step, s.value) for s in board.Scalars(tag)] == points, tag
+    assert [s.wall_time for s in board.Scalars("reward_mean")] == [r["time"] for r in records]
+
+
+def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`turn_discount` through the loop: session a's 3 turns arrive in 2 segments after b's
+    single one; the buffer makes them one group, and the step trains on each turn's advantage,
+    on that turn's sampled tokens. By hand, gamma 0.5, Dr.GRPO:
+      a: turn rewards 1, none, 0.5, final 1 -> r~ = 1, 0, 1.5 -> G = 1.375, 0.75, 1.5
+      b: turn rewards 0, 0.5, none, final 0 -> r~ = 0, 0.5, 0 -> G = 0.25, 0.5, 0
+      per turn position, G - mean (0.8125, 0.625, 0.75): a +0.5625, +0.125, +0.75; b the negatives.
+    Each turn is [p s s]: turn k's sampled tokens are positions 3k+1, 3k+2."""
+    records = [
+        turns(1, "b", [0.0, 0.5, None], 0.0),
+        turns(2, "a", [1.0, None], 1.0, segment=0, segments=2),
+        turns(3, "a", [0.5], 1.0, segment=1, segments=2),
+    ]
+    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
+    config = TrainerConfig(
+        proxy_url="http://unused",
+        model=str(model_dir),
+        out_dir=tmp_path,
+        group_size=2,
+        groups_per_step=1,
+        max_steps=1,
+        lr=1e-3,
+        estimator="dr_grpo",
+        turn_discount=0.5,
+    )
+    trainer = loop.Trainer(config)
+    trained: list[list[list[Batch]]] = []
+    ppo_step = trainer.policy.ppo_step
+
+    def spy(mini_batches: list[list[Batch]], *args, **kwargs):
+        trained.append(mini_batches)
+        return ppo_step(mini_batches, *args, **kwargs)
+
+    trainer.policy.ppo_step = spy
+
+    assert trainer.run() == {"step": 1, "version": 1, "cursors": [3]}
+
+    a0, a1, a2 = 0.5625, 0.125, 0.75
+    [[[batch]]] = trained  # one step, one mini-batch, one micro-batch
+    assert batch.input_ids.tolist() == [
+        list(range(1, 10)),
+        [1, 2, 3, 4, 5, 6, 0, 0, 0],
+        [1, 2, 3, 0, 0, 0, 0, 0, 0],
+    ]
+    assert batch.advantages.tolist() == [
+        [0.0, -a0, -a0, 0.0, -a1, -a1, 0.0, -a2, -a2],  # b: its 3 turns
+        [0.0, a0, a0, 0.0, a1, a1, 0.0, 0.0, 0.0],  # a's segment 0: turns 1 and 2
+        [0.0, a2, a2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # a's segment 1: turn 3
+    ]
+    assert torch.equal(batch.advantages != 0, batch.loss_mask.bool())
+    state, _ = checkpoint.load(tmp_path / "checkpoint")
+    assert state.trained == [["b:0", "a:0", "a:1"]]
+
+
+def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(model_dir: Path, tmp_path: Path) -> None:
+    """After the last step the trainer waits for evaluations while they keep coming, but no
+    longer than `group_timeout_s` in all; what it took is in the checkpoint."""
+
+    class Endless:
+        def __init__(self) -> None:
+            self.seq = 0
+
+        def get(self, timeout_s: float) -> tuple[int, Trajectory]:
+            time.sleep(0.05)
+            self.seq += 1
+            return 0, episodes(self.seq, f"eval/{self.seq}", (1.0, 1.0), version=0)[0]
+
+    config = TrainerConfig(
+        proxy_url="http://unused", model=str(model_dir), out_dir=tmp_path, group_size=2, group_timeout_s=1.0
+    )
+    trainer = loop.Trainer(config)
+    trainer.evaluating = True
+    stream, started = Endless(), time.monotonic()
+
+    trainer._wind_down(stream, GroupBuffer(2, 1.0), [])
+
+    assert 1.0 <= time.monotonic() - started < evaluation.WAIT_S
+    state, _ = checkpoint.load(tmp_path / "checkpoint")
+    assert state.cursors == [stream.seq] and len(state.consumed) == stream.seq and state.evaluations == []
+
+
+def float32(value: float) -> float:
+    """`value` as TensorBoard stores a scalar (a float32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def test_drop_flat_groups_needs_a_group_relative_estimator() -> None:
