@@ -91,10 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         supervisors = {s.url: Supervisor(s, max_restarts=settings.max_restarts) for s in servers}
         supervisors |= {replica.base_url: replica for replica in ray_replicas}
         app = create_app(settings, supervisors, ray_replicas)
-        # What is loaded by now (vLLM, transformers, the tokenizer) lives as long as the process.
-        # Frozen, it is out of the cyclic collector's sight, and the full collections that a
-        # request's garbage triggers no longer walk it all (bench proxy: up to 2x requests/s).
-        gc.freeze()
+        gc.freeze()  # what is loaded by now lives on: full collections skip it (bench proxy)
         if not args.train:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None)
             return 0
@@ -113,8 +110,7 @@ def _start_local_replicas(args: argparse.Namespace, settings: Settings) -> list:
 
     servers = []
     for index in range(settings.replicas):
-        suffix = ".vllm.log" if settings.replicas == 1 else f".vllm{index}.log"
-        log = Path(args.db).with_suffix(suffix)
+        log = Path(args.db).with_suffix(".vllm.log" if settings.replicas == 1 else f".vllm{index}.log")
         logging.info("starting vLLM for %s (log: %s)", args.model, log)
         port = args.vllm_port + index if args.vllm_port else None
         extra = _vllm_args(args, settings)
