@@ -13,7 +13,10 @@ only ever replace something by what it returned, never by anything the agent did
    surrounding whitespace) gets the returned value back.
 2. Byte level, after sampling (`echo_view`): the bytes the template renders for the reply as
    returned, kept where they differ from the sampled bytes, so that a render that shows the
-   returned reply continues the segment over the sampled ids (`stitching.plan_prompt`).
+   returned reply continues the segment over the sampled ids (`stitching.plan_prompt`). The
+   view also stands for a part of the generation prompt that the template writes only before
+   a reply it samples, not before one in the history (Qwen3's empty `<think>` block with
+   thinking off): the model keeps the prompt ids it saw.
 
 A real rewrite (another value, a dropped field) is not restored, renders differently and
 opens a new segment, as before. Rendering the returned reply also covers templates that
@@ -31,6 +34,7 @@ from typing import Any
 from molt_proxy.errors import BadRequest
 from molt_proxy.parsing import sampled_json_text
 from molt_proxy.rendering import Renders
+from molt_proxy.stitching import echo_replacing
 from molt_proxy.types import ParsedReply
 
 Find = Callable[[str], ParsedReply | None]
@@ -184,7 +188,9 @@ def echo_view(
     renders: Renders, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
 ) -> bytes | None:
     """The bytes the template renders for `reply` as returned, where they differ from the
-    `sampled` bytes (None where they do not, or where the template does not show the reply).
+    `sampled` bytes (None where they do not, or where the template does not show the reply);
+    with the end of the generation prompt that the history leaves out, where it leaves one
+    out (`stitching.echo_replacing`).
 
     The reply is rendered after the request and before what agents send next (its tool
     results, or a user message), as the next request renders it (`Renders.after`: a window
@@ -193,7 +199,10 @@ def echo_view(
     keeps that token and what the template adds past it (Qwen3's `\\n`) is the next request's;
     a reply cut by a stop string or by length ends with its text, and the template's whole
     closing is the next request's. A view that does not show all the reply says (a template
-    dropping earlier reasoning) is no view: that history is rewritten.
+    dropping earlier reasoning) is no view: that history is rewritten. A template that writes
+    a part of the generation prompt only there (Qwen3's empty `<think>` block with thinking
+    off, `Renders.dropped`) shows the reply without it: the view stands for that part too, so
+    the model's next prompt keeps the ids it saw.
     """
     closing = renders.tokenizer.closing
     if closing is None:
@@ -202,17 +211,12 @@ def echo_view(
         {"role": "tool", "tool_call_id": call["id"], "content": _FOLLOW} for call in reply.tool_calls
     ] or [{"role": "user", "content": _FOLLOW}]
     try:
-        added = renders.after(
-            rendered.messages,
-            rendered.tools,
-            rendered.template_kwargs,
-            rendered.text,
-            [reply.as_message(), *follow],
-        )
+        found = _history(renders, rendered, [reply.as_message(), *follow])
     except BadRequest:
         return None
-    if added is None or _FOLLOW not in added:
+    if found is None or _FOLLOW not in found[1]:
         return None
+    dropped, added = found
     tail = added[: added.index(_FOLLOW)]
     end = tail.rfind(closing.end + closing.after)
     if end == -1:
@@ -221,7 +225,22 @@ def echo_view(
     if not _shows(view, reply):
         return None
     encoded = view.encode()
+    if dropped:
+        return echo_replacing(dropped.encode(), encoded)
     return None if encoded == sampled else encoded
+
+
+def _history(renders: Renders, rendered: Rendered, more: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """What the history `rendered.messages + more` adds to the request's render (`Renders.after`),
+    past the end of the generation prompt it leaves out where the template leaves one out, and
+    that end ("" mostly); None where it extends neither."""
+    tools, kwargs = rendered.tools, rendered.template_kwargs
+    dropped = renders.dropped(tools, kwargs)
+    for tail in (dropped, "") if dropped and rendered.text.endswith(dropped) else ("",):
+        added = renders.after(rendered.messages, tools, kwargs, rendered.text, more, tail)
+        if added is not None:
+            return tail, added
+    return None
 
 
 def _shows(view: str, reply: ParsedReply) -> bool:
