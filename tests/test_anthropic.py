@@ -19,7 +19,7 @@ from devtools.scripts import WEATHER_TOOL, render_reply, weather_episode
 from devtools.tokenizers import tokenizer_source
 from molt_proxy.cli import parser
 from molt_proxy.config import Settings
-from molt_proxy.errors import UpstreamError
+from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
 from molt_proxy.side import DEFAULT_SIDE_REQUESTS
 from molt_proxy.tokenizer import Tokenizer
@@ -305,6 +305,10 @@ def test_sdk_raises_the_matching_exceptions(proxy, tmp_path):
             anthropic.Anthropic(
                 base_url=keyed + "/s/other", api_key=session["api_key"], max_retries=0
             ).messages.create(model="m", max_tokens=5, messages=USER)
+        request = {"model": "m", "max_tokens": 5, "messages": USER}
+        anthropic_error(post(keyed, request, headers={"x-api-key": "wrong"}), 401, "authentication_error")
+        other = {"x-api-key": session["api_key"]}
+        anthropic_error(post(keyed, request, "/s/other/v1/messages", headers=other), 403, "permission_error")
     nowhere = f"http://127.0.0.1:{free_port()}"
     settings = Settings(model=str(qwen3_tokenizer_dir()), upstreams=[nowhere], db_path=tmp_path / "down.db")
     with serve_app(settings) as down:
@@ -671,3 +675,38 @@ def test_a_streamed_reply_opens_no_text_block_for_whitespace_alone():
     events = [e for c in ("\n", "\nHi", "!") for e in text.feed(DeltaMessage(content=c))]
     deltas_sent = [json.loads(e.split("data: ")[1])["delta"] for e in events if "block_delta" in e]
     assert deltas_sent == [{"type": "text_delta", "text": "\n\nHi"}, {"type": "text_delta", "text": "!"}]
+
+
+def test_sampling_fields_reach_vllm_and_a_thinking_budget_must_be_below_max_tokens(proxy):
+    upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    fields = {"temperature": 0.3, "top_p": 0.7, "top_k": 4}
+    assert post(proxy, {"model": "m", "max_tokens": 7, "messages": USER, **fields}).status_code == 200
+    params = httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]
+    assert {k: params[k] for k in [*fields, "max_tokens"]} == {**fields, "max_tokens": 7}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    says = "'thinking.budget_tokens' (1024) must be less than 'max_tokens' (1000)"
+    refused = post(proxy, {"model": "m", "max_tokens": 1000, "messages": USER, "thinking": thinking})
+    assert anthropic_error(refused, 400, "invalid_request_error") == says
+    with pytest.raises(BadRequest) as raised:
+        decode(messages=USER, thinking=thinking)
+    assert (raised.value.param, raised.value.message) == (
+        "thinking.budget_tokens",
+        "'thinking.budget_tokens' (1024) must be less than 'max_tokens' (9)",
+    )
+
+
+def test_a_failed_generation_is_an_api_error_and_tool_choice_none_leaves_a_call_as_text(qwen3_tools):
+    url, upstream = qwen3_tools
+    ids = Tokenizer.load(str(qwen3_tokenizer_dir())).encode("Hi.")
+    broken = [{"token_ids": ids, "finish_reason": "stop", "logprobs": [-0.5]}]  # the stand-in fails: 500
+    httpx.post(f"{upstream}/_script", json=broken).raise_for_status()
+    request = {"model": "m", "max_tokens": 50, "messages": USER, "thinking": {"type": "disabled"}}
+    says = anthropic_error(post(url, request, "/s/failed/v1/messages"), 502, "api_error")
+    assert says.startswith("vLLM failed with HTTP 500")
+    assert httpx.get(f"{url}/v1/sessions/failed").json()["segments"] == []  # nothing recorded
+    call = qwen3_call('{"city": "Paris"}')
+    scripted(upstream, call)
+    request |= {"tools": [ANTHROPIC_WEATHER_TOOL], "tool_choice": {"type": "none"}}
+    reply = post(url, request, "/s/none/v1/messages").json()
+    assert (reply["content"], reply["stop_reason"]) == ([{"type": "text", "text": call}], "end_turn")
+    assert "structured_outputs" not in httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]
