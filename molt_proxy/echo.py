@@ -48,16 +48,25 @@ def call_key(call_id: str) -> str:
     return f"call:{call_id}"
 
 
-def text_key(content: str) -> str:
-    return f"text:{content.strip()}"
+def text_key(content: str, kind: str = "text") -> str:
+    return f"{kind}:{content.strip()}"
 
 
 def keys_of(reply: ParsedReply) -> list[str]:
     """The keys an echo of `reply` is found by: its tool-call ids; a reply without calls, by
-    its content (whitespace-only content names nothing)."""
+    its text (`_text_keys`)."""
     if reply.tool_calls:
         return [call_key(call["id"]) for call in reply.tool_calls if isinstance(call.get("id"), str)]
-    return [text_key(reply.content)] if reply.content and reply.content.strip() else []
+    return _text_keys(reply.content, reply.reasoning_content)
+
+
+def _text_keys(content: Any, reasoning: Any) -> list[str]:
+    """A message without calls is named by its content, or, where that is only whitespace, by
+    its reasoning (an Anthropic reply shows no whitespace-only text block); whitespace alone
+    names nothing."""
+    if isinstance(content, str) and content.strip():
+        return [text_key(content)]
+    return [text_key(reasoning, "thinking")] if isinstance(reasoning, str) and reasoning.strip() else []
 
 
 class Returned:
@@ -111,8 +120,9 @@ def _restore(message: dict[str, Any], find: Find) -> dict[str, Any]:
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
     ids = [c["id"] for c in calls if isinstance(c.get("id"), str)]
     reply = next((r for r in map(find, map(call_key, ids)) if r is not None), None)
-    if reply is None and not calls and isinstance(message.get("content"), str):
-        reply = find(text_key(message["content"]))
+    if reply is None and not calls:
+        named = _text_keys(message.get("content"), message.get("reasoning_content"))
+        reply = find(named[0]) if named else None
     if reply is None:
         return message
     restored = dict(message)

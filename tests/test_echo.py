@@ -26,11 +26,12 @@ from openai import OpenAI
 from devtools import WEATHER_TOOL, tokenizer_source, weather_episode
 from molt_proxy import store
 from molt_proxy.config import Settings
-from molt_proxy.echo import same_json
+from molt_proxy.echo import Returned, restore, same_json
 from molt_proxy.rendering import Renders
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.types import ParsedReply
 from tests.helpers import assert_exact, play, reply_as_message, trajectories, write_old_store
 from tests.inprocess import mock_vllm, serve_app
 
@@ -265,6 +266,20 @@ def test_qwen3_thinking_off_is_one_segment_over_the_ids_sent_and_survives_a_rest
     assert EMPTY_THINK not in rendered[: -len(EMPTY_THINK)]  # the history shows none
     rest = restarted.tokenizer.ids_bytes(ids[turns[2]["prompt_start"] : turns[2]["completion_start"]])
     assert rest.startswith(b"\n<|im_start|>user\nThanks!") and rendered.endswith(rest)
+
+
+def test_a_reply_without_calls_or_text_is_found_by_its_reasoning():
+    """An Anthropic reply shows no whitespace-only text block, so a reply that only thinks is
+    echoed as its thinking alone: found by it, its whitespace comes back as sampled."""
+    returned = Returned()
+    returned.add("s", ParsedReply(content="\n\n", reasoning_content="\nHm.\n"))
+    find = returned.of_session("s")
+    echoed = {"role": "assistant", "content": "", "reasoning_content": "Hm."}
+    assert restore([echoed], find) == [
+        {"role": "assistant", "content": "\n\n", "reasoning_content": "\nHm.\n"}
+    ]
+    other = {"role": "assistant", "content": "", "reasoning_content": "Hm?"}
+    assert restore([other], find) == [other]
 
 
 def test_json_values_compare_by_meaning():
