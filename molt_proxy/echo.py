@@ -8,9 +8,9 @@ only ever replace something by what it returned, never by anything the agent did
 
 1. Message level, before rendering (`restore`): an echoed assistant message that carries a
    tool-call id the proxy minted (or, without calls, content equal to a reply's up to
-   surrounding whitespace) is found among what the proxy returned, and each field that
-   means the same (arguments that parse to the same JSON value, text equal up to
-   surrounding whitespace) gets the returned value back.
+   surrounding whitespace, or where both are blank, reasoning) is found among what the proxy
+   returned, and each field that means the same (arguments that parse to the same JSON
+   value, text equal up to surrounding whitespace) gets the returned value back.
 2. Byte level, after sampling (`echo_view`): the bytes the template renders for the reply as
    returned, kept where they differ from the sampled bytes, so that a render that shows the
    returned reply continues the segment over the sampled ids (`stitching.plan_prompt`). The
