@@ -8,12 +8,15 @@ only ever replace something by what it returned, never by anything the agent did
 
 1. Message level, before rendering (`restore`): an echoed assistant message that carries a
    tool-call id the proxy minted (or, without calls, content equal to a reply's up to
-   surrounding whitespace) is found among what the proxy returned, and each field that
-   means the same (arguments that parse to the same JSON value, text equal up to
-   surrounding whitespace) gets the returned value back.
+   surrounding whitespace, or where both are blank, reasoning) is found among what the proxy
+   returned, and each field that means the same (arguments that parse to the same JSON
+   value, text equal up to surrounding whitespace) gets the returned value back.
 2. Byte level, after sampling (`echo_view`): the bytes the template renders for the reply as
    returned, kept where they differ from the sampled bytes, so that a render that shows the
-   returned reply continues the segment over the sampled ids (`stitching.plan_prompt`).
+   returned reply continues the segment over the sampled ids (`stitching.plan_prompt`). The
+   view also stands for a part of the generation prompt that the template writes only before
+   a reply it samples, not before one in the history (Qwen3's empty `<think>` block with
+   thinking off): the model keeps the prompt ids it saw.
 
 A real rewrite (another value, a dropped field) is not restored, renders differently and
 opens a new segment, as before. Rendering the returned reply also covers templates that
@@ -31,6 +34,7 @@ from typing import Any
 from molt_proxy.errors import BadRequest
 from molt_proxy.parsing import sampled_json_text
 from molt_proxy.rendering import Renders
+from molt_proxy.stitching import echo_replacing
 from molt_proxy.types import ParsedReply
 
 Find = Callable[[str], ParsedReply | None]
@@ -44,16 +48,25 @@ def call_key(call_id: str) -> str:
     return f"call:{call_id}"
 
 
-def text_key(content: str) -> str:
-    return f"text:{content.strip()}"
+def text_key(content: str, kind: str = "text") -> str:
+    return f"{kind}:{content.strip()}"
 
 
 def keys_of(reply: ParsedReply) -> list[str]:
     """The keys an echo of `reply` is found by: its tool-call ids; a reply without calls, by
-    its content (whitespace-only content names nothing)."""
+    its text (`_text_keys`)."""
     if reply.tool_calls:
         return [call_key(call["id"]) for call in reply.tool_calls if isinstance(call.get("id"), str)]
-    return [text_key(reply.content)] if reply.content and reply.content.strip() else []
+    return _text_keys(reply.content, reply.reasoning_content)
+
+
+def _text_keys(content: Any, reasoning: Any) -> list[str]:
+    """A message without calls is named by its content, or, where that is only whitespace, by
+    its reasoning (an Anthropic reply shows no whitespace-only text block); whitespace alone
+    names nothing."""
+    if isinstance(content, str) and content.strip():
+        return [text_key(content)]
+    return [text_key(reasoning, "thinking")] if isinstance(reasoning, str) and reasoning.strip() else []
 
 
 class Returned:
@@ -107,8 +120,9 @@ def _restore(message: dict[str, Any], find: Find) -> dict[str, Any]:
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
     ids = [c["id"] for c in calls if isinstance(c.get("id"), str)]
     reply = next((r for r in map(find, map(call_key, ids)) if r is not None), None)
-    if reply is None and not calls and isinstance(message.get("content"), str):
-        reply = find(text_key(message["content"]))
+    if reply is None and not calls:
+        named = _text_keys(message.get("content"), message.get("reasoning_content"))
+        reply = find(named[0]) if named else None
     if reply is None:
         return message
     restored = dict(message)
@@ -184,7 +198,9 @@ def echo_view(
     renders: Renders, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
 ) -> bytes | None:
     """The bytes the template renders for `reply` as returned, where they differ from the
-    `sampled` bytes (None where they do not, or where the template does not show the reply).
+    `sampled` bytes (None where they do not, or where the template does not show the reply);
+    with the end of the generation prompt that the history leaves out, where it leaves one
+    out (`stitching.echo_replacing`).
 
     The reply is rendered after the request and before what agents send next (its tool
     results, or a user message), as the next request renders it (`Renders.after`: a window
@@ -193,7 +209,10 @@ def echo_view(
     keeps that token and what the template adds past it (Qwen3's `\\n`) is the next request's;
     a reply cut by a stop string or by length ends with its text, and the template's whole
     closing is the next request's. A view that does not show all the reply says (a template
-    dropping earlier reasoning) is no view: that history is rewritten.
+    dropping earlier reasoning) is no view: that history is rewritten. A template that writes
+    a part of the generation prompt only there (Qwen3's empty `<think>` block with thinking
+    off, `Renders.dropped`) shows the reply without it: the view stands for that part too, so
+    the model's next prompt keeps the ids it saw.
     """
     closing = renders.tokenizer.closing
     if closing is None:
@@ -202,17 +221,12 @@ def echo_view(
         {"role": "tool", "tool_call_id": call["id"], "content": _FOLLOW} for call in reply.tool_calls
     ] or [{"role": "user", "content": _FOLLOW}]
     try:
-        added = renders.after(
-            rendered.messages,
-            rendered.tools,
-            rendered.template_kwargs,
-            rendered.text,
-            [reply.as_message(), *follow],
-        )
+        found = _history(renders, rendered, [reply.as_message(), *follow])
     except BadRequest:
         return None
-    if added is None or _FOLLOW not in added:
+    if found is None or _FOLLOW not in found[1]:
         return None
+    dropped, added = found
     tail = added[: added.index(_FOLLOW)]
     end = tail.rfind(closing.end + closing.after)
     if end == -1:
@@ -221,7 +235,22 @@ def echo_view(
     if not _shows(view, reply):
         return None
     encoded = view.encode()
+    if dropped:
+        return echo_replacing(dropped.encode(), encoded)
     return None if encoded == sampled else encoded
+
+
+def _history(renders: Renders, rendered: Rendered, more: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """What the history `rendered.messages + more` adds to the request's render (`Renders.after`),
+    past the end of the generation prompt it leaves out where the template leaves one out, and
+    that end ("" mostly); None where it extends neither."""
+    tools, kwargs = rendered.tools, rendered.template_kwargs
+    dropped = renders.dropped(tools, kwargs)
+    for tail in (dropped, "") if dropped and rendered.text.endswith(dropped) else ("",):
+        added = renders.after(rendered.messages, tools, kwargs, rendered.text, more, tail)
+        if added is not None:
+            return tail, added
+    return None
 
 
 def _shows(view: str, reply: ParsedReply) -> bool:

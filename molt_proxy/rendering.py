@@ -55,6 +55,8 @@ LEAVE_OUT = 16
 that, one render of it costs less than a window's."""
 _PROBES = 256
 """The (tools, kwargs) whose probe result is kept; the oldest goes first."""
+_PROBE_REPLY = "molt-probe-reply"
+"""The text of the reply `Renders.dropped` probes with, to find where the reply's text starts."""
 _CACHE_CHARS = 64 * 2**20
 """The rendered characters the cache keeps (the messages they were rendered from come beside
 them, about as large): the least recently used go first."""
@@ -103,6 +105,7 @@ class Renders:
         self._entries: OrderedDict[tuple[int, str], _Entry] = OrderedDict()
         self._chars = 0
         self._windows: dict[str, Windows] = {}
+        self._dropped: dict[str, str] = {}
         self._lock = threading.Lock()
         """Large requests render in worker threads beside the event loop's."""
         specials = sorted(tokenizer.added_tokens, key=len, reverse=True)
@@ -141,22 +144,41 @@ class Renders:
         kwargs: dict[str, Any],
         text: str,
         more: Messages,
+        dropped: str = "",
     ) -> str | None:
         """What `render(messages + more)` without a generation prompt adds to `text`, the render
-        of `messages` with one; None where it does not start with `text`. The echo view's."""
+        of `messages` with one, less `dropped`: the end of its generation prompt that the
+        history leaves out (`Renders.dropped`). None where it does not start with `text` less
+        that. The echo view's. A window serves only `dropped == ""`: the probe checks no other."""
         entry = self._entries.get(_key(messages, len(messages)))
         if entry is not None and entry.messages is messages:
             windows, featured, earlier = entry.windows, entry.featured, entry.window
         else:
             windows, featured, earlier = self.windows(tools, kwargs), self._featured(messages), None
         whole = messages + more
-        if windows.allow(featured, self._featured(more)):
+        if not dropped and windows.allow(featured, self._featured(more)):
             found = self.window(text, len(messages), whole, tools, kwargs, False, earlier)
             if found is not None:
                 self.windowed += 1
                 return found[0]
         rendered = self.tokenizer.render(whole, tools, kwargs, add_generation_prompt=False)
-        return rendered[len(text) :] if rendered.startswith(text) else None
+        kept = text[: len(text) - len(dropped)]
+        return rendered[len(kept) :] if text.endswith(dropped) and rendered.startswith(kept) else None
+
+    def dropped(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+        """The end of the generation prompt that the template leaves out where it renders the
+        reply as history (Qwen3's empty `<think>\\n\\n</think>\\n\\n` with `enable_thinking`
+        false), probed once per tools and kwargs on a one-message conversation: what the
+        generation prompt adds past the header the history shows before a reply's text."""
+        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
+        found = self._dropped.get(key)
+        if found is None:
+            found = _dropped(self.tokenizer, tools, kwargs)
+            with self._lock:
+                self._dropped[key] = found
+                if len(self._dropped) > _PROBES:
+                    del self._dropped[next(iter(self._dropped))]
+        return found
 
     def windows(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Windows:
         """The template's windows with these tools and kwargs, probed once (about 90 small
@@ -265,6 +287,24 @@ class Renders:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._chars -= len(entry.text)
+
+
+def _dropped(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+    """`Renders.dropped`, probed: "" where the template refuses the probe or shows the reply
+    otherwise than after a part of the generation prompt."""
+    asked: Messages = [{"role": "user", "content": "u"}]
+    reply = {"role": "assistant", "content": _PROBE_REPLY}
+    try:
+        base = tokenizer.render(asked, tools, kwargs, add_generation_prompt=False)
+        prompt = tokenizer.render(asked, tools, kwargs)
+        history = tokenizer.render([*asked, reply, *asked], tools, kwargs, add_generation_prompt=False)
+    except BadRequest:
+        return ""
+    shown = history[len(base) :]
+    if not (prompt.startswith(base) and history.startswith(base) and _PROBE_REPLY in shown):
+        return ""
+    header, generation_prompt = shown[: shown.index(_PROBE_REPLY)], prompt[len(base) :]
+    return generation_prompt[len(header) :] if generation_prompt.startswith(header) else ""
 
 
 def _key(messages: Messages, m: int) -> tuple[int, str]:

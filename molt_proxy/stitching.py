@@ -46,10 +46,31 @@ class PromptPlan:
         return self.segment is not None
 
 
+_DROPPED = b"\xff"
+"""Opens an echo view that stands for the end of the turn's prompt too: never a byte of UTF-8,
+so no view of the reply alone (what older stores hold) starts with it."""
+
+
+def echo_replacing(dropped: bytes, view: bytes) -> bytes:
+    """An echo view that stands for the last bytes of the turn's prompt, `dropped` (the end of
+    the generation prompt the template leaves out of the history), and the sampled bytes: kept
+    as one value (the store's `echo`), read by `_echo_parts`."""
+    return _DROPPED + dropped + _DROPPED + view
+
+
+def _echo_parts(echo: bytes | None) -> tuple[bytes, bytes | None]:
+    """The prompt's end an echo view stands for (b"" mostly) and the view (None: no view)."""
+    if echo is None or not echo.startswith(_DROPPED):
+        return b"", echo
+    dropped, view = echo[1:].split(_DROPPED, 1)
+    return dropped, view
+
+
 def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
     """How many bytes of `rendered` the segment stands for, when `rendered` continues it: it
     starts with the segment's exact bytes, or with its echo view (each reply as the proxy
-    returned it, `echo.py`), whose bytes map back to the same sampled ids. None: it does not."""
+    returned it, `echo.py`, less what the template leaves out of the history), whose bytes map
+    back to the same ids. None: it does not."""
     if segment is None or not segment.turns:
         return None
     if rendered.startswith(segment.text):
@@ -143,7 +164,8 @@ def _append(
 ) -> Turn:
     """The request's new prompt ids (mask 0), then the sampled ids (mask 1). `sampling` is
     what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view where it
-    differs from the sampled bytes, extends the segment's echo bytes."""
+    differs from the sampled bytes (or stands for the end of the prompt too,
+    `echo_replacing`), extends the segment's echo bytes."""
     prompt_start = len(segment.token_ids)
     segment.token_ids.extend(new_ids)
     segment.add_versions([NOT_SAMPLED] * len(new_ids))
@@ -155,7 +177,8 @@ def _append(
     if echo is not None and segment.echo is None:
         segment.echo = segment.text
     if segment.echo is not None:
-        segment.echo += new_text + (sampled if echo is None else echo)
+        dropped, view = _echo_parts(echo)
+        segment.echo += new_text.removesuffix(dropped) + (sampled if view is None else view)
     segment.text += new_text + sampled
     turn = Turn(
         completion_id=completion_id,

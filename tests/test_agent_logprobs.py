@@ -23,7 +23,7 @@ from devtools import weather_episode
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import TokenLogprobs
 from molt_proxy.wire.logprobs import encode_logprobs
-from tests.helpers import trajectories
+from tests.helpers import assert_exact, trajectories
 from tests.inprocess import chat_body, inprocess_proxy, mock_reply_ids, qwen3_tokenizer_dir
 
 CHAT = "/v1/chat/completions"
@@ -272,6 +272,8 @@ def test_a_replys_logprobs_are_the_records_through_the_openai_sdk(
     ids, logprobs = _sampled(proxy, "sdk")
     assert len(choice.logprobs.content) == reply.usage.completion_tokens == len(ids)
     _assert_shows_the_record(choice.logprobs.content, ids, logprobs, tokenizer, 3)
+    [record] = [t for t in trajectories(proxy.url) if t["session_id"] == "sdk"]
+    assert_exact(record, qwen3_model)  # asking for logprobs leaves the record the model's own
 
 
 def test_streamed_chunks_add_up_to_the_records_logprobs(

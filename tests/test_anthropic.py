@@ -13,20 +13,21 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
 from devtools.scripts import WEATHER_TOOL, render_reply, weather_episode
 from devtools.tokenizers import tokenizer_source
 from molt_proxy.cli import parser
 from molt_proxy.config import Settings
-from molt_proxy.errors import UpstreamError
+from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
 from molt_proxy.side import DEFAULT_SIDE_REQUESTS
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
-from molt_proxy.wire.anthropic_reply import encode_message_stream
+from molt_proxy.wire.anthropic_reply import Blocks, encode_message_stream
 from molt_proxy.wire.events import Delta, Opened, StreamEvent
 from tests.conftest import MAX_MODEL_LEN
+from tests.helpers import trajectories
 from tests.inprocess import REPLY_TEXT, inprocess_proxy, qwen3_tokenizer_dir, serve_app
 
 
@@ -304,6 +305,10 @@ def test_sdk_raises_the_matching_exceptions(proxy, tmp_path):
             anthropic.Anthropic(
                 base_url=keyed + "/s/other", api_key=session["api_key"], max_retries=0
             ).messages.create(model="m", max_tokens=5, messages=USER)
+        request = {"model": "m", "max_tokens": 5, "messages": USER}
+        anthropic_error(post(keyed, request, headers={"x-api-key": "wrong"}), 401, "authentication_error")
+        other = {"x-api-key": session["api_key"]}
+        anthropic_error(post(keyed, request, "/s/other/v1/messages", headers=other), 403, "permission_error")
     nowhere = f"http://127.0.0.1:{free_port()}"
     settings = Settings(model=str(qwen3_tokenizer_dir()), upstreams=[nowhere], db_path=tmp_path / "down.db")
     with serve_app(settings) as down:
@@ -515,3 +520,193 @@ def test_a_llama_episode_is_one_segment_of_the_ids_its_requests_render_to(tmp_pa
     assert sampled == [s["token_ids"] for s in script]
     positions = {i for t in record["turns"] for i in range(t["completion_start"], t["completion_end"])}
     assert record["loss_mask"] == [int(i in positions) for i in range(len(record["token_ids"]))]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A proxy with Qwen3's tool-call and reasoning parsers, and its stand-in vLLM's URL."""
+    db = tmp_path_factory.mktemp("anthropic") / "tools.db"
+    with inprocess_proxy(db, tool_call_parser="hermes", reasoning_parser="qwen3") as url:
+        yield url, httpx.get(f"{url}/health").json()["replicas"][0]["url"]
+
+
+def qwen3_call(arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+
+
+def scripted(upstream: str, *texts: str) -> list[list[int]]:
+    """Queue what the stand-in vLLM samples next: each text, then `<|im_end|>`."""
+    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    script = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in texts]
+    body = [{"token_ids": ids, "finish_reason": "stop"} for ids in script]
+    httpx.post(f"{upstream}/_script", json=body).raise_for_status()
+    return script
+
+
+def echo(message: anthropic.types.Message, **inputs: Any) -> dict[str, Any]:
+    """The reply as Claude Code sends it back: its blocks, a tool_use's `input` as given."""
+    blocks = [b.model_dump(exclude_none=True) for b in message.content]
+    return {
+        "role": "assistant",
+        "content": [{**b, "input": inputs} if b["type"] == "tool_use" and inputs else b for b in blocks],
+    }
+
+
+def result(message: anthropic.types.Message) -> dict[str, Any]:
+    uses = [b for b in message.content if b.type == "tool_use"]
+    return {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "Sunny"} for b in uses],
+    }
+
+
+def one_exact_segment(served: tuple[str, str], session: str, sampled: list[list[int]]) -> dict[str, Any]:
+    """The session's one trajectory: each turn's prompt is exactly the ids vLLM was sent for it
+    (the last generate requests), and its completion the ids sampled."""
+    url, upstream = served
+    httpx.post(f"{url}/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
+    [record] = [t for t in trajectories(url) if t["session_id"] == session]
+    sent = [body["token_ids"] for body in httpx.get(f"{upstream}/_generated").json()[-len(sampled) :]]
+    ids, turns = record["token_ids"], record["turns"]
+    assert [ids[: t["completion_start"]] for t in turns] == sent
+    assert [ids[t["completion_start"] : t["completion_end"]] for t in turns] == sampled
+    return record
+
+
+def test_a_thinking_off_tool_episode_is_one_segment_over_the_ids_sent(qwen3_tools):
+    """Qwen3's prompt with thinking off ends with an empty `<think>` block its history leaves
+    out; the echoed episode still continues one segment, over the ids the model saw."""
+    sampled = scripted(qwen3_tools[1], qwen3_call('{"city": "Paris"}'), "Sunny.", "Bye.")
+    sdk = client(f"{qwen3_tools[0]}/s/off")
+    request: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 50,
+        "tools": [ANTHROPIC_WEATHER_TOOL],
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    first = sdk.messages.create(**request)
+    assert [(b.type, b.input) for b in first.content] == [("tool_use", {"city": "Paris"})]
+    request["messages"] += [echo(first), result(first)]
+    second = sdk.messages.create(**request)
+    assert [(b.type, b.text) for b in second.content] == [("text", "Sunny.")]
+    request["messages"] += [echo(second), {"role": "user", "content": "Thanks!"}]
+    assert sdk.messages.create(**request).content[0].text == "Bye."
+    record = one_exact_segment(qwen3_tools, "off", sampled)
+    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    prompts = [record["token_ids"][: t["completion_start"]] for t in record["turns"]]
+    assert all(tokenizer.ids_bytes(p).endswith(b"assistant\n<think>\n\n</think>\n\n") for p in prompts)
+    conversation = decode(**{k: v for k, v in request.items() if k != "max_tokens"}).conversation
+    rendered = tokenizer.render(conversation.messages, conversation.tools, conversation.template_kwargs)
+    assert rendered.count("<think>") == 1  # the history shows none: the segment keeps what was sent
+    last = record["turns"][2]
+    assert rendered.encode().endswith(
+        tokenizer.ids_bytes(record["token_ids"][last["prompt_start"] : last["completion_start"]])
+    )
+
+
+def test_a_tool_input_echoed_with_sorted_keys_and_no_whitespace_is_one_segment(qwen3_tools):
+    sampled = scripted(qwen3_tools[1], qwen3_call('{"unit": "c",  "city": "Paris"}'), "Sunny.")
+    sdk = client(f"{qwen3_tools[0]}/s/sorted")
+    request: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 50,
+        "tools": [ANTHROPIC_WEATHER_TOOL],
+        "thinking": {"type": "disabled"},  # vLLM's qwen3 parser reads a reply without `</think>` as thinking
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    first = sdk.messages.create(**request)
+    [use] = first.content
+    assert list(use.input) == ["unit", "city"]  # the sampled key order
+    request["messages"] += [echo(first, city="Paris", unit="c"), result(first)]
+    body = json.dumps(request, separators=(",", ":"))
+    assert '"input":{"city":"Paris","unit":"c"}' in body
+    second = httpx.post(f"{qwen3_tools[0]}/s/sorted/v1/messages", content=body, timeout=60)
+    assert second.json()["content"] == [{"type": "text", "text": "Sunny."}]
+    record = one_exact_segment(qwen3_tools, "sorted", sampled)
+    turn = record["turns"][1]
+    assert turn["prompt_start"] == record["turns"][0]["completion_end"]
+
+
+def test_an_echoed_thinking_block_restores_exactly_without_the_blank_text_block(qwen3_tools):
+    """A reply that thinks, then calls: the whitespace between them is no text block; the reply
+    echoed with its thinking block (signature and all) continues the segment over the exact
+    sampled ids, the whitespace included."""
+    thought = "<think>\nParis, then.\n</think>\n\n" + qwen3_call('{"city": "Paris"}')
+    sampled = scripted(qwen3_tools[1], thought, "<think>\nDone.\n</think>\n\nSunny.")
+    sdk = client(f"{qwen3_tools[0]}/s/thought")
+    request: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 50,
+        "tools": [ANTHROPIC_WEATHER_TOOL],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    request["max_tokens"] = 2000  # above the budget
+    first = sdk.messages.create(**request)
+    thinking, use = first.content
+    assert (thinking.type, thinking.thinking, use.type) == ("thinking", "\nParis, then.\n", "tool_use")
+    assert thinking.signature == "molt:" + "chatcmpl-" + first.id.removeprefix("msg_")
+    request["messages"] += [echo(first), result(first)]
+    assert [b.type for b in sdk.messages.create(**request).content] == ["thinking", "text"]
+    record = one_exact_segment(qwen3_tools, "thought", sampled)
+    first_turn = record["turns"][0]
+    assert record["turns"][1]["prompt_start"] == first_turn["completion_end"]
+    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    completion = record["token_ids"][first_turn["completion_start"] : first_turn["completion_end"]]
+    assert tokenizer.ids_bytes(completion) == (thought + "<|im_end|>").encode()
+
+
+def test_a_streamed_reply_opens_no_text_block_for_whitespace_alone():
+    blocks = Blocks("chatcmpl-x")
+    call = DeltaToolCall(index=0, id="chatcmpl-tool-1", function=DeltaFunctionCall(name="f", arguments="{}"))
+    deltas = [
+        DeltaMessage(reasoning="Hm."),
+        DeltaMessage(content="\n"),
+        DeltaMessage(content="\n"),
+        DeltaMessage(tool_calls=[call]),
+    ]
+    events = [e for d in deltas for e in blocks.feed(d)]
+    blocks.close()
+    events += blocks.out
+    starts = [json.loads(e.split("data: ")[1])["content_block"]["type"] for e in events if "block_start" in e]
+    assert starts == ["thinking", "tool_use"]
+    text = Blocks("chatcmpl-y")
+    events = [e for c in ("\n", "\nHi", "!") for e in text.feed(DeltaMessage(content=c))]
+    deltas_sent = [json.loads(e.split("data: ")[1])["delta"] for e in events if "block_delta" in e]
+    assert deltas_sent == [{"type": "text_delta", "text": "\n\nHi"}, {"type": "text_delta", "text": "!"}]
+
+
+def test_sampling_fields_reach_vllm_and_a_thinking_budget_must_be_below_max_tokens(proxy):
+    upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
+    fields = {"temperature": 0.3, "top_p": 0.7, "top_k": 4}
+    assert post(proxy, {"model": "m", "max_tokens": 7, "messages": USER, **fields}).status_code == 200
+    params = httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]
+    assert {k: params[k] for k in [*fields, "max_tokens"]} == {**fields, "max_tokens": 7}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    says = "'thinking.budget_tokens' (1024) must be less than 'max_tokens' (1000)"
+    refused = post(proxy, {"model": "m", "max_tokens": 1000, "messages": USER, "thinking": thinking})
+    assert anthropic_error(refused, 400, "invalid_request_error") == says
+    with pytest.raises(BadRequest) as raised:
+        decode(messages=USER, thinking=thinking)
+    assert (raised.value.param, raised.value.message) == (
+        "thinking.budget_tokens",
+        "'thinking.budget_tokens' (1024) must be less than 'max_tokens' (9)",
+    )
+
+
+def test_a_failed_generation_is_an_api_error_and_tool_choice_none_leaves_a_call_as_text(qwen3_tools):
+    url, upstream = qwen3_tools
+    ids = Tokenizer.load(str(qwen3_tokenizer_dir())).encode("Hi.")
+    broken = [{"token_ids": ids, "finish_reason": "stop", "logprobs": [-0.5]}]  # the stand-in fails: 500
+    httpx.post(f"{upstream}/_script", json=broken).raise_for_status()
+    request = {"model": "m", "max_tokens": 50, "messages": USER, "thinking": {"type": "disabled"}}
+    says = anthropic_error(post(url, request, "/s/failed/v1/messages"), 502, "api_error")
+    assert says.startswith("vLLM failed with HTTP 500")
+    assert httpx.get(f"{url}/v1/sessions/failed").json()["segments"] == []  # nothing recorded
+    call = qwen3_call('{"city": "Paris"}')
+    scripted(upstream, call)
+    request |= {"tools": [ANTHROPIC_WEATHER_TOOL], "tool_choice": {"type": "none"}}
+    reply = post(url, request, "/s/none/v1/messages").json()
+    assert (reply["content"], reply["stop_reason"]) == ([{"type": "text", "text": call}], "end_turn")
+    assert "structured_outputs" not in httpx.get(f"{upstream}/_generated").json()[-1]["sampling_params"]

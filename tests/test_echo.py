@@ -26,10 +26,12 @@ from openai import OpenAI
 from devtools import WEATHER_TOOL, tokenizer_source, weather_episode
 from molt_proxy import store
 from molt_proxy.config import Settings
-from molt_proxy.echo import same_json
+from molt_proxy.echo import Returned, restore, same_json
+from molt_proxy.rendering import Renders
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
+from molt_proxy.types import ParsedReply
 from tests.helpers import assert_exact, play, reply_as_message, trajectories, write_old_store
 from tests.inprocess import mock_vllm, serve_app
 
@@ -217,6 +219,67 @@ def test_qwen3_thinking_continues_in_a_tool_loop_and_opens_a_segment_where_the_t
             proxy.sample("<think>Polite.</think>Bye.")
             replies.append(proxy.chat(history))
         assert proxy.segments() == [[first["id"], second["id"]], [replies[2]["id"]], [replies[3]["id"]]]
+
+
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+EMPTY_THINK = b"<|im_start|>assistant\n<think>\n\n</think>\n\n"
+"""How Qwen3's generation prompt ends with thinking off; its history shows no such block."""
+
+
+def sent(upstream: str, turns: int) -> list[list[int]]:
+    """The prompt ids of the last `turns` generate requests the stand-in vLLM got."""
+    return [body["token_ids"] for body in httpx.get(f"{upstream}/_generated").json()[-turns:]]
+
+
+def test_a_generation_prompts_end_the_history_leaves_out_is_probed_from_the_template(qwen3, llama):
+    qwen3_renders, llama_renders = Renders(qwen3.tokenizer), Renders(llama.tokenizer)
+    assert qwen3_renders.dropped([WEATHER_TOOL], {"enable_thinking": False}) == "<think>\n\n</think>\n\n"
+    assert qwen3_renders.dropped([WEATHER_TOOL], {}) == ""
+    assert qwen3_renders.dropped(None, {"enable_thinking": True}) == ""
+    assert llama_renders.dropped([WEATHER_TOOL], {}) == llama_renders.dropped(None, {}) == ""
+
+
+def test_qwen3_thinking_off_is_one_segment_over_the_ids_sent_and_survives_a_restart(tmp_path):
+    """With thinking off, Qwen3's generation prompt ends with an empty `<think>` block that its
+    history leaves out: the echo view stands for it, so every turn continues the segment over
+    the ids the model saw (a restart rebuilds that view from the store)."""
+    db = tmp_path / "off.db"
+    with served("qwen3", db) as proxy:
+        sampled = proxy.sample(qwen3_call('{"city": "Paris"}'))
+        replies = [proxy.chat(QUESTION, **THINKING_OFF)]
+        history = [*QUESTION, echoed(replies[0], '{"city":"Paris"}'), *results(replies[0])]
+        sampled += proxy.sample("Sunny.")
+        replies.append(proxy.chat(history, **THINKING_OFF))
+        prompts = sent(proxy.upstream, 2)
+    history += [echoed(replies[-1]), {"role": "user", "content": "Thanks!"}]
+    with served("qwen3", db) as restarted:
+        sampled += restarted.sample("Bye.")
+        replies.append(restarted.chat(history, **THINKING_OFF))
+        prompts += sent(restarted.upstream, 1)
+        assert restarted.segments() == [[r["id"] for r in replies]]
+        [record] = restarted.record()
+    ids, turns = record["token_ids"], record["turns"]
+    assert [ids[: t["completion_start"]] for t in turns] == prompts
+    assert [i for t in turns for i in ids[t["completion_start"] : t["completion_end"]]] == sampled
+    assert all(restarted.tokenizer.ids_bytes(p).endswith(EMPTY_THINK) for p in prompts)
+    rendered = restarted.tokenizer.render(history, [WEATHER_TOOL], {"enable_thinking": False}).encode()
+    assert EMPTY_THINK not in rendered[: -len(EMPTY_THINK)]  # the history shows none
+    rest = restarted.tokenizer.ids_bytes(ids[turns[2]["prompt_start"] : turns[2]["completion_start"]])
+    assert rest.startswith(b"\n<|im_start|>user\nThanks!") and rendered.endswith(rest)
+
+
+def test_a_reply_without_calls_or_text_is_found_by_its_reasoning():
+    """An Anthropic reply shows no whitespace-only text block, so a reply that only thinks is
+    echoed as its thinking alone: found by it, its whitespace comes back as sampled."""
+    returned = Returned()
+    returned.add("s", ParsedReply(content="\n\n", reasoning_content="\nHm.\n"))
+    find = returned.of_session("s")
+    echoed = {"role": "assistant", "content": "", "reasoning_content": "Hm."}
+    assert restore([echoed], find) == [
+        {"role": "assistant", "content": "\n\n", "reasoning_content": "\nHm.\n"}
+    ]
+    other = {"role": "assistant", "content": "", "reasoning_content": "Hm?"}
+    assert restore([other], find) == [other]
 
 
 def test_json_values_compare_by_meaning():

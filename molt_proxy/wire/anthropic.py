@@ -65,11 +65,8 @@ def tool_use_id(call_id: str) -> str:
 
 def call_id(tool_use: str) -> str:
     """The call id an echoed `tool_use` id stands for (the inverse of `tool_use_id`)."""
-    return (
-        _CALL_PREFIX + tool_use.removeprefix(_TOOLU_PREFIX)
-        if tool_use.startswith(_TOOLU_PREFIX)
-        else tool_use
-    )
+    minted = tool_use.startswith(_TOOLU_PREFIX)
+    return _CALL_PREFIX + tool_use.removeprefix(_TOOLU_PREFIX) if minted else tool_use
 
 
 def message_id(completion_id: str) -> str:
@@ -78,9 +75,8 @@ def message_id(completion_id: str) -> str:
 
 def recorded_completion_id(any_id: str) -> str:
     """A completion id as recorded, given it as a message id (`msg_X`) or as recorded."""
-    if any_id.startswith(_MESSAGE_PREFIX):
-        return _COMPLETION_PREFIX + any_id.removeprefix(_MESSAGE_PREFIX)
-    return any_id
+    prefixed = any_id.startswith(_MESSAGE_PREFIX)
+    return _COMPLETION_PREFIX + any_id.removeprefix(_MESSAGE_PREFIX) if prefixed else any_id
 
 
 _BLOCK: dict[str, Any] = {
@@ -162,6 +158,7 @@ def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall
     (no `max_tokens`, nothing sampled)."""
     data = decode_json_object(body)
     _refuse_media(data.get("messages"))
+    _check_budget(data)
     model = AnthropicCountTokensRequest if count else AnthropicMessagesRequest
     request = _validate(model, data)
     messages = _system_messages(request.system)
@@ -202,6 +199,15 @@ def _validate(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
         # Union members add their type names to the location; the field path is the rest.
         param = ".".join(str(p) for p in error["loc"] if not str(p)[:1].isupper() and "[" not in str(p))
         raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param or None) from None
+
+
+def _check_budget(data: dict[str, Any]) -> None:
+    """Checked before vLLM's model, whose check across the two fields names neither."""
+    thinking, max_tokens = data.get("thinking"), data.get("max_tokens")
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if type(budget) is int and type(max_tokens) is int and budget >= max_tokens:
+        message = f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})"
+        raise BadRequest(message, param="thinking.budget_tokens")
 
 
 def _refuse_media(messages: Any) -> None:
@@ -312,11 +318,8 @@ def _tool_result(block: AnthropicContentBlock, param: str) -> dict[str, Any]:
 
 def _tool(tool: Any) -> dict[str, Any]:
     """An Anthropic tool as the chat template takes it (the shape chat completions sends)."""
-    function: dict[str, Any] = {"name": tool.name}
-    if tool.description is not None:
-        function["description"] = tool.description
-    function["parameters"] = tool.input_schema
-    return {"type": "function", "function": function}
+    described = {"description": tool.description} if tool.description is not None else {}
+    return {"type": "function", "function": {"name": tool.name, **described, "parameters": tool.input_schema}}
 
 
 def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -2,8 +2,11 @@
 its stream events as Anthropic's server-sent events, and errors in Anthropic's shape.
 
 Content blocks come in sampled order: `thinking` (with a `signature` the proxy mints from the
-completion id, so an echoed block names the turn it came from), `text`, then one `tool_use`
-per call, its `input` parsed from the exact JSON the model sampled. Streaming is real: each
+completion id: Anthropic clients send a thinking block back only with one; an echo is
+recognised by its tool-use ids or its text, `echo.py`), `text` (none that is only whitespace,
+such as Qwen3's `\\n\\n` between its thinking and a call: Anthropic's API refuses such a block
+sent back, and echo restoration puts the sampled whitespace back), then one `tool_use` per
+call, its `input` parsed from the exact JSON the model sampled. Streaming is real: each
 event goes out as vLLM's parsers release text from the sampled ids —
 
     message_start, (content_block_start, [ping], content_block_delta*, content_block_stop)*,
@@ -73,7 +76,7 @@ def content_blocks(message: ParsedReply, completion_id: str) -> list[dict[str, A
     if message.reasoning_content:
         signature = thinking_signature(completion_id)
         blocks.append({"type": "thinking", "thinking": message.reasoning_content, "signature": signature})
-    if message.content:
+    if message.content and message.content.strip():
         blocks.append({"type": "text", "text": message.content})
     for call in message.tool_calls:
         function = call["function"]
@@ -121,10 +124,13 @@ class Blocks:
     call: int | None = None
     """The open tool_use block's call index (vLLM's)."""
     pinged: bool = False
+    blank: str = ""
+    """Whitespace released before any other text: a text block opens only with some."""
     out: list[str] = field(default_factory=list)
 
     def _open(self, block: dict[str, Any], call: int | None = None) -> None:
         self.close()
+        self.blank = ""
         self.index += 1
         self.kind, self.call = block["type"], call
         self.out.append(event("content_block_start", {"index": self.index, "content_block": block}))
@@ -142,15 +148,23 @@ class Blocks:
             self.out.append(event("content_block_stop", {"index": self.index}))
         self.kind = None
 
+    def _text(self, text: str) -> None:
+        """Text opens a block once it holds more than whitespace (kept until then)."""
+        if self.kind != "text":
+            text, self.blank = self.blank + text, ""
+            if not text.strip():
+                self.blank = text
+                return
+            self._open({"type": "text", "text": ""})
+        self._delta({"type": "text_delta", "text": text})
+
     def feed(self, delta: DeltaMessage) -> list[str]:
         if delta.reasoning:
             if self.kind != "thinking":
                 self._open({"type": "thinking", "thinking": "", "signature": ""})
             self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
         if delta.content:
-            if self.kind != "text":
-                self._open({"type": "text", "text": ""})
-            self._delta({"type": "text_delta", "text": delta.content})
+            self._text(delta.content)
         for call in delta.tool_calls:
             function = call.function
             if self.kind != "tool_use" or self.call != call.index:
