@@ -18,6 +18,7 @@ from molt_proxy.errors import BadRequest, UpstreamError, UpstreamUnavailable
 from molt_proxy.launcher import free_port
 from molt_proxy.types import Generation
 from molt_proxy.upstream import TokenDelta, Upstream, parse_versions
+from molt_proxy.wire.generate import parse_tokens
 
 T = TypeVar("T")
 
@@ -182,6 +183,19 @@ def test_a_stream_cut_short_is_unavailable_so_the_router_may_fail_over(cut):
     with pytest.raises(UpstreamUnavailable) as raised:
         asyncio.run(_with_routes(_streaming([_chunk(5), _chunk(6)], cut=cut), _streamed))
     assert isinstance(raised.value.__cause__, aiohttp.ClientPayloadError) is cut
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    [[], [{"logprob": None}], [{}], [{"logprob": "-1"}]],
+    ids=["missing", "null", "no field", "a string"],
+)
+def test_a_sampled_token_without_a_numeric_logprob_is_an_upstream_error(logprobs):
+    """The record needs a float per sampled token; anything else is vLLM's fault (a 502),
+    never an internal error while recording."""
+    choice = {"token_ids": [5], "logprobs": {"content": logprobs}, "finish_reason": "stop"}
+    with pytest.raises(UpstreamError, match="no logprob for some sampled tokens"):
+        parse_tokens(choice)
 
 
 def test_the_injected_session_factory_is_used_and_closed_with_the_upstream():

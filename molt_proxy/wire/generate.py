@@ -48,9 +48,10 @@ def parse_tokens(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
     """The sampled ids of one choice (or one streamed chunk of it) and their logprobs."""
     ids = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content") or []
-    if len(content) != len(ids):
+    logprobs = [entry.get("logprob") for entry in content]
+    if len(logprobs) != len(ids) or not all(isinstance(lp, int | float) for lp in logprobs):
         raise UpstreamError("vLLM returned no logprob for some sampled tokens")
-    return list(ids), [entry["logprob"] for entry in content]
+    return list(ids), logprobs
 
 
 def top_asked(sampling: dict[str, Any]) -> dict[str, Any]:
