@@ -245,7 +245,7 @@ def _history(renders: Renders, rendered: Rendered, more: list[dict[str, Any]]) -
     past the end of the generation prompt it leaves out where the template leaves one out, and
     that end ("" mostly); None where it extends neither."""
     tools, kwargs = rendered.tools, rendered.template_kwargs
-    dropped = renders.dropped(tools, kwargs)
+    dropped = renders.dropped(tools, kwargs, rendered.messages)
     for tail in (dropped, "") if dropped and rendered.text.endswith(dropped) else ("",):
         added = renders.after(rendered.messages, tools, kwargs, rendered.text, more, tail)
         if added is not None:

@@ -34,15 +34,16 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from molt_proxy.errors import BadRequest
 from molt_proxy.render_probe import Windows, probe
 from molt_proxy.tokenizer import Tokenizer
 
 Messages = list[dict[str, Any]]
+Probed = TypeVar("Probed")
 
 CONTEXT = 2
 """At least this many messages before the new ones go into a window: a message may render
@@ -91,6 +92,8 @@ class _Entry:
     """The indices of the messages with a value other than a string or None (tool calls):
     where `==` is not enough (JSON's `1`, `1.0` and `true` are equal in Python, and key order
     is not compared)."""
+    dropped: str | None = None
+    """`Renders.dropped` for its tools and kwargs, once asked (the next turns' renders keep it)."""
 
 
 class Renders:
@@ -134,7 +137,9 @@ class Renders:
                     self.windowed += 1
         if text is None:
             text = self.tokenizer.render(messages, tools, kwargs)
-        self._remember(_Entry(messages, tools, kwargs, text, featured, windows, window, nested), parent)
+        entry = _Entry(messages, tools, kwargs, text, featured, windows, window, nested)
+        entry.dropped = None if parent is None else parent.dropped
+        self._remember(entry, parent)
         return text
 
     def after(
@@ -165,32 +170,43 @@ class Renders:
         kept = text[: len(text) - len(dropped)]
         return rendered[len(kept) :] if text.endswith(dropped) and rendered.startswith(kept) else None
 
-    def dropped(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+    def dropped(
+        self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], messages: Messages | None = None
+    ) -> str:
         """The end of the generation prompt that the template leaves out where it renders the
         reply as history (Qwen3's empty `<think>\\n\\n</think>\\n\\n` with `enable_thinking`
         false), probed once per tools and kwargs on a one-message conversation: what the
-        generation prompt adds past the header the history shows before a reply's text."""
-        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        found = self._dropped.get(key)
-        if found is None:
-            found = _dropped(self.tokenizer, tools, kwargs)
-            with self._lock:
-                self._dropped[key] = found
-                if len(self._dropped) > _PROBES:
-                    del self._dropped[next(iter(self._dropped))]
-        return found
+        generation prompt adds past the header the history shows before a reply's text.
+        `messages`: a request `render` rendered with them, whose cached render keeps the answer
+        for the conversation's next turns (the per-turn echo view then skips the probe's key)."""
+        entry = None if messages is None else self._entries.get(_key(messages, len(messages)))
+        if entry is None or entry.messages is not messages:
+            return self._probed(self._dropped, tools, kwargs, _dropped)
+        if entry.dropped is None:
+            entry.dropped = self._probed(self._dropped, tools, kwargs, _dropped)
+        return entry.dropped
 
     def windows(self, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Windows:
         """The template's windows with these tools and kwargs, probed once (about 90 small
         renders: tens of milliseconds, on the first request with them)."""
+        return self._probed(self._windows, tools, kwargs, probe)
+
+    def _probed(
+        self,
+        cache: dict[str, Probed],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        make: Callable[[Tokenizer, list[dict[str, Any]] | None, dict[str, Any]], Probed],
+    ) -> Probed:
+        """A probe of the template with these tools and kwargs: from `cache`, else `make`s."""
         key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        found = self._windows.get(key)
+        found = cache.get(key)
         if found is None:
-            found = probe(self.tokenizer, tools, kwargs)
+            found = make(self.tokenizer, tools, kwargs)
             with self._lock:
-                self._windows[key] = found
-                if len(self._windows) > _PROBES:
-                    del self._windows[next(iter(self._windows))]
+                cache[key] = found
+                if len(cache) > _PROBES:
+                    del cache[next(iter(cache))]
         return found
 
     def is_featured(self, message: dict[str, Any]) -> bool:
