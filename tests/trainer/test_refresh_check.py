@@ -121,7 +121,9 @@ def test_the_trainer_reports_a_replica_that_missed_its_weights_and_the_proxy_ret
             assert trainer.state.version == 1 and trainer.replicas_behind == 1
             [record] = read(out / "metrics.jsonl")
             assert (record["version"], record["replicas_behind"]) == (1, 1)
-            assert [r.getMessage() for r in caplog.records if r.name == "trainer.loop"] == [
+            # Warnings only: an earlier test in this worker may have set INFO for every logger.
+            warned = [r for r in caplog.records if r.name == "trainer.loop" and r.levelno >= logging.WARNING]
+            assert [r.getMessage() for r in warned] == [
                 f"weights v1 are not on {flaky}: the proxy keeps them out of routing and reloads them "
                 "once they pass a health check"
             ]
