@@ -9,14 +9,26 @@ twice gives identical weights, so tests can compare against a `transformers` for
 With a real tokenizer the model is then taught its script (`devtools.teaching`,
 `devtools.scripts.DEFAULT_SCRIPTS`), so that it writes real tool calls and `<think>` blocks.
 Where the tokenizers are found: `devtools.tokenizers`.
+
+Teaching the Qwen3 model costs minutes on 2 cores, so a build is cached (`_cached`), keyed by
+everything it depends on: the arguments, the tokenizer's files, `devtools`' own source (the
+scripts and the teaching), the versions of torch and transformers, and, where the Claude Code
+and Codex CLIs are installed (their captured episodes are taught), their versions and today's
+date. Change any of them and the next build is made afresh.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import date
 from pathlib import Path
 
+from devtools import claude_code, codex
 from devtools.claude_code import claude_code_episodes
 from devtools.codex import codex_episode
 from devtools.scripts import DEFAULT_SCRIPTS, Conversation
@@ -86,14 +98,36 @@ def build_tiny_model(
     `teach=False` for a `tokenizer_dir` whose template cannot print that script); the
     fallback tokenizer's template knows no tools or reasoning, so that model stays random.
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
     # RL demos want its ~400-token vocabulary (fast steps, rewards a random model can find).
     source = None if fallback_tokenizer else Path(tokenizer_dir) if tokenizer_dir else tokenizer_source(arch)
+    args = dict(
+        arch=arch,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        seed=seed,
+        fallback_vocab_size=fallback_vocab_size,
+        teach=teach and source is not None,
+    )
+    return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
+
+
+def _build(
+    out: Path,
+    source: Path | None,
+    *,
+    arch: Arch,
+    hidden_size: int,
+    num_layers: int,
+    seed: int,
+    fallback_vocab_size: int,
+    teach: bool,
+) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
     if source is not None:
         tokenizer = AutoTokenizer.from_pretrained(str(source))
     else:
@@ -127,7 +161,7 @@ def build_tiny_model(
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    if teach and source is not None:
+    if teach:
         teach_tiny_model(out, taught_scripts(arch), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
@@ -138,4 +172,44 @@ def build_tiny_model(
         for name in _LICENCE_FILES:
             if (source / name).exists():
                 shutil.copyfile(source / name, out / name)
+
+
+def _build_key(args: dict[str, object], source: Path | None) -> str:
+    """A digest of everything a build depends on (the module docstring lists it)."""
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode())
+    digest.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    if source is not None:
+        files += sorted(f for f in source.iterdir() if f.is_file())
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    if args["teach"] and args["arch"] == "qwen3":
+        clis = [str(cli.CLI.exists() and cli.CLI_VERSION) for cli in (claude_code, codex)]
+        if any(cli != "False" for cli in clis):
+            digest.update(f"{clis} {date.today().isoformat()}".encode())
+    return digest.hexdigest()[:24]
+
+
+def cache_root() -> Path:
+    """`$MOLT_PROXY_CACHE`, else `~/.cache/molt-proxy`."""
+    return Path(os.environ.get("MOLT_PROXY_CACHE") or Path.home() / ".cache" / "molt-proxy")
+
+
+def _cached(out: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """`out` filled with the build cached under `key`, built first where it is not cached.
+    A build lands in the cache by one rename, so a build that dies half-way leaves nothing
+    behind and two that race both finish with the same bytes."""
+    cached = cache_root() / "tiny-models" / key
+    if not cached.is_dir():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cached.parent))
+        build(staging)
+        try:
+            staging.rename(cached)
+        except OSError:  # another build of the same key landed first
+            shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(cached, out, dirs_exist_ok=True)
     return out
