@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from molt_proxy.advantages import router as advantages_router
+from molt_proxy.browsers import BrowserGuard, BrowserPolicy
 from molt_proxy.config import Settings
 from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, UpstreamUnavailable
 from molt_proxy.proxy import Proxy
@@ -87,6 +88,8 @@ def create_app(
     app.state.proxy = proxy
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    policy = BrowserPolicy(settings.host, settings.allowed_origins, settings.allowed_hosts)
+    app.add_middleware(BrowserGuard, policy=policy, refuse=_send_error)
     app.add_middleware(Instrument, telemetry=proxy.telemetry)  # outermost: it sees BodyLimit's 413s
     app.include_router(router)
     app.include_router(responses_router)

@@ -50,6 +50,9 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         sampling=args.sampling,
         side_requests=list(args.side_request),
         lora_name=lora_name(args),
+        allowed_origins=list(args.allowed_origins),
+        allowed_hosts=list(args.allowed_hosts),
+        reward_range=tuple(args.reward_range),
     )
 
 
@@ -319,6 +322,31 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--agent-keys-file", type=Path, metavar="PATH", help="agent keys, one a line")
     serve.add_argument("--max-request-bytes", type=int, default=default(Settings, "max_request_bytes"))
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=default(Settings, "allowed_origins"),
+        metavar="ORIGIN",
+        help="web pages (e.g. https://notebook.example:8888) that may call the proxy from a browser;"
+        " '*': any (default: the proxy's own and loopback origins only)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=default(Settings, "allowed_hosts"),
+        metavar="NAME",
+        help="host names requests may address the proxy by, besides its bound address, IP addresses"
+        " and localhost; '*': any (default: none; a proxy bound to a non-loopback --host checks Host"
+        " only when this is given)",
+    )
+    serve.add_argument(
+        "--reward-range",
+        nargs=2,
+        type=float,
+        default=default(Settings, "reward_range"),
+        metavar=("LOW", "HIGH"),
+        help="rewards outside [LOW, HIGH] are refused with a 400 (default: -1e6 1e6)",
+    )
     serve.add_argument(
         "--session-ttl",
         type=float,

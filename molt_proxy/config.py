@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,17 @@ class Settings:
     agent_keys: list[str] = field(default_factory=list, repr=False)
     """Keys that may create sessions and chat on and reward their own (`--agent-key`)."""
     max_request_bytes: int = 16 * 1024 * 1024
+    allowed_origins: list[str] = field(default_factory=list)
+    """Web origins whose pages may call the proxy from a browser, besides its own and loopback
+    ones (`--allowed-origins`; `*`: any). A request with any other `Origin` is refused
+    (`molt_proxy.browsers`)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Names the proxy may be addressed by in `Host`, besides its bound address, IP addresses and
+    localhost (`--allowed-hosts`; `*`: any): a DNS-rebinding page's requests name its own
+    domain. A proxy bound to a non-loopback `host` checks `Host` only when this is given."""
+    reward_range: tuple[float, float] = (-1e6, 1e6)
+    """Rewards (final and per turn) outside [low, high] are refused with a 400 (`--reward-range`):
+    inside it every advantage estimator stays finite."""
     verify_prompt_ids: bool = False
     """Ask vLLM to echo the prompt ids and fail the turn if they differ from what was sent."""
     upstream_timeout_s: float = 600.0
@@ -85,6 +97,9 @@ class Settings:
             raise ValueError("agent keys need an admin key: without one every route is open")
         if self.lora_name == "":
             raise ValueError("a LoRA name must not be empty")
+        low, high = self.reward_range
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError("--reward-range takes two finite numbers LOW < HIGH")
         check_pins(self.sampling)
         check_rules(self.side_requests)
         self.db_path = Path(self.db_path)

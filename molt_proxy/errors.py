@@ -8,6 +8,7 @@
     ├── NotFound                  404 not_found_error
     ├── Conflict                  409 conflict_error
     ├── PayloadTooLarge           413 invalid_request_error
+    ├── UnsupportedMediaType      415 invalid_request_error
     ├── UpstreamError             502 upstream_error
     │   └── UpstreamUnavailable   503 service_unavailable
     └── StoreUnavailable          503 service_unavailable / store_unavailable
@@ -83,6 +84,13 @@ class PayloadTooLarge(MoltError):
     type = "invalid_request_error"
     anthropic_type = "request_too_large"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(MoltError):
+    status = 415
+    type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class UpstreamError(MoltError):

@@ -181,7 +181,7 @@ async def _messages(request: Request, path_session: str | None) -> Response:
 
     async def close_side() -> None:  # a side request's session ends with its turn (`side.py`)
         if rule is not None and caller.session_id is not None:
-            await proxy.close_session(caller.session_id, None, side_info(rule), SessionStatus.UNREWARDED)
+            await proxy.close_session(caller.session_id, None, side_info(rule), SessionStatus.SIDE)
 
     if not call.stream:
         answer = await proxy.completions.complete(caller, conversation, body, attempt)
@@ -290,7 +290,7 @@ async def post_reward(request: Request) -> dict[str, Any]:
     session; `final: false` with a `completion_id` rewards that one turn."""
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CHAT)
-    body = RewardBody.decode(await request.body())
+    body = RewardBody.decode(await request.body(), proxy.settings.reward_range)
     session_id = body.session_id
     completion_id = body.completion_id and recorded_completion_id(responses_completion_id(body.completion_id))
     if completion_id is not None:

@@ -203,14 +203,21 @@ class Session:
         ]
 
 
+DEFAULT_GROUP_PREFIX = "prompt-"
+
+
 def default_group(session: Session) -> str:
     """A hash of the session's first rendered prompt: N attempts at one task group themselves
-    (DESIGN §3). A session without turns is its own group."""
+    (DESIGN §3). A session an agent key created hashes its owner too: another key's attempts at
+    the same prompt are not its group (groups belong to an owner, `Sessions._join_group`). A
+    session without turns is its own group."""
     if not session.segments or not session.segments[0].turns:
         return session.id
     first = session.segments[0]
-    prompt = first.token_ids[: first.turns[0].completion_start]
-    return "prompt-" + hashlib.sha256(array("i", prompt).tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(array("i", first.token_ids[: first.turns[0].completion_start]).tobytes())
+    if session.owner is not None:
+        digest.update(b"\0owner " + session.owner.encode())
+    return DEFAULT_GROUP_PREFIX + digest.hexdigest()[:16]
 
 
 @dataclass(slots=True)

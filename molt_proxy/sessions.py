@@ -18,8 +18,8 @@ from typing import Any
 from molt_proxy import telemetry
 from molt_proxy.auth import OPEN, Principal, key_id, may_use
 from molt_proxy.echo import Returned
-from molt_proxy.errors import Conflict, NotFound
-from molt_proxy.session import Session
+from molt_proxy.errors import BadRequest, Conflict, Forbidden, NotFound
+from molt_proxy.session import DEFAULT_GROUP_PREFIX, Session
 from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
@@ -54,6 +54,8 @@ class Sessions:
         """Completion id → open session id: rewards may name any reply the agent received."""
         self._creating: dict[str, asyncio.Event] = {}
         """Ids being created (set when done): a session is reserved before its first await."""
+        self._group_owners: dict[str, str | None] = {}
+        """Group id → the owner of the first session that named it (`_join_group`)."""
         self.returned = Returned()
         """What each open session's turns returned, for echo restoration (`echo.py`)."""
 
@@ -114,10 +116,31 @@ class Sessions:
             raise Conflict(f"session {session_id!r} already exists", param="session_id")
         self._creating[session_id] = created = asyncio.Event()
         try:
+            if group_id is not None:
+                await self._join_group(group_id, owner)
             return await self._create(session_id, group_id, key_hash, owner, inferred)
         finally:
             del self._creating[session_id]
             created.set()
+
+    async def _join_group(self, group_id: str, owner: str | None) -> None:
+        """Groups belong to an owner as sessions do (DESIGN §8): the first session that names a
+        group makes its owner the group's, and an agent key (`owner` set) may then name only its
+        own groups: another key's episodes must not sit in its baselines. Admin (and open)
+        sessions join any group. The proxy's own default groups (`prompt-…`, derived from the
+        first prompt and the owner, `session.default_group`) cannot be named."""
+        if group_id.startswith(DEFAULT_GROUP_PREFIX):
+            raise BadRequest(
+                f"group ids starting with {DEFAULT_GROUP_PREFIX!r} are the proxy's own (a session"
+                " without a group is grouped by its first prompt)",
+                param="group_id",
+            )
+        if group_id not in self._group_owners:
+            named, first_owner = await self.store.group_owner(group_id)
+            # Looked up again after the await: a session created meanwhile may have claimed it.
+            self._group_owners.setdefault(group_id, first_owner if named else owner)
+        if owner is not None and self._group_owners[group_id] != owner:
+            raise Forbidden(f"group {group_id!r} belongs to another key", param="group_id")
 
     async def _create(
         self, session_id: str, group_id: str | None, key_hash: str | None, owner: str | None, inferred: bool

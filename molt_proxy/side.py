@@ -9,8 +9,10 @@ sentence-case title". A side request
 
 - runs in a session of its own (`side-<hex>`), whatever session it names (Claude Code's
   `metadata.user_id` names the episode's), so the episode's segments never see it;
-- closes that session as soon as its turn is recorded: unrewarded, its trajectory marked
-  `info.side = true` with the rule that matched;
+- closes that session as soon as its turn is recorded, with the status `side` (never
+  rewarded) and the rule that matched in `info.rule`. The mark is the status, which only the
+  server writes: a client writes `info`, and an agent must not hide its episode from training
+  by posting `info: {"side": true}`;
 - is left out of the trainer's stream (`GET /v1/trajectories` as server-sent events); the
   store, the paged `GET /v1/trajectories` and `molt-proxy export` keep it, marked.
 
@@ -29,6 +31,7 @@ from typing import Any
 from molt_proxy.auth import Role
 from molt_proxy.conversation import Conversation
 from molt_proxy.session import Caller
+from molt_proxy.types import SessionStatus
 
 DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title",)
 
@@ -57,12 +60,17 @@ def side_caller(caller: Caller) -> Caller:
 
 
 def side_info(rule: str) -> dict[str, Any]:
-    return {"side": True, "rule": rule}
+    return {"rule": rule}
 
 
 def is_side(trajectory: dict[str, Any]) -> bool:
+    """Status `side`; or, in a store from before that status, unrewarded with `info.side`
+    (then only the server closed sessions unrewarded with an `info`)."""
+    if trajectory.get("status") == SessionStatus.SIDE:
+        return True
     info = trajectory.get("info")
-    return isinstance(info, dict) and info.get("side") is True
+    legacy = trajectory.get("status") == SessionStatus.UNREWARDED and isinstance(info, dict)
+    return legacy and info.get("side") is True
 
 
 async def then(events: AsyncGenerator[str], done: Callable[[], Awaitable[object]]) -> AsyncGenerator[str]:

@@ -78,6 +78,7 @@ CREATE TABLE IF NOT EXISTS turns (
     echo BLOB
 );
 CREATE INDEX IF NOT EXISTS turns_by_session ON turns(session_id, position);
+CREATE INDEX IF NOT EXISTS sessions_by_group ON sessions(group_id);
 CREATE TABLE IF NOT EXISTS completions (
     completion_id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL
@@ -256,6 +257,17 @@ class Store:
 
         return await self._run(query)
 
+    async def group_owner(self, group_id: str) -> tuple[bool, str | None]:
+        """Whether a session ever named the group, and the owner of the first that did."""
+
+        def query() -> tuple[bool, str | None]:
+            row = self.db.execute(
+                "SELECT owner FROM sessions WHERE group_id = ? ORDER BY rowid LIMIT 1", (group_id,)
+            ).fetchone()
+            return (True, row[0]) if row else (False, None)
+
+        return await self._run(query)
+
     # -- turns -----------------------------------------------------------------------------
 
     async def record_turn(self, session_id: str, turn: StoredTurn) -> None:
@@ -336,10 +348,8 @@ class Store:
 
     async def trajectories_after(self, seq: int, limit: int) -> list[dict[str, Any]]:
         def query() -> list[dict[str, Any]]:
-            rows = self.db.execute(
-                "SELECT data FROM trajectories WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
-            ).fetchall()
-            return [_decode_trajectory(row[0]) for row in rows]
+            rows = self.db.execute(_TRAJECTORIES + " WHERE t.seq > ? ORDER BY t.seq LIMIT ?", (seq, limit))
+            return _with_info(rows.fetchall())
 
         return await self._run(query)
 
@@ -363,9 +373,10 @@ def _close_session(
             (trajectory.trajectory_id, session_id),
         )
         trajectory.seq = cursor.lastrowid
+        data = trajectory.to_json()
+        del data["info"]  # once per session, in its row: `_with_info` puts it back on read
         db.execute(
-            "UPDATE trajectories SET data = ? WHERE seq = ?",
-            (_encode_trajectory(trajectory.to_json()), trajectory.seq),
+            "UPDATE trajectories SET data = ? WHERE seq = ?", (_encode_trajectory(data), trajectory.seq)
         )
     db.execute(
         "INSERT INTO completions (completion_id, session_id)"
@@ -374,6 +385,28 @@ def _close_session(
     )
     db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
     db.execute("DELETE FROM responses WHERE session_id = ?", (session_id,))  # nothing continues them
+    return trajectories
+
+
+_TRAJECTORIES = (
+    "SELECT t.data, t.session_id, s.info FROM trajectories t LEFT JOIN sessions s ON s.id = t.session_id"
+)
+"""A trajectory row with its session's `info`: a reward's `info` is stored once per session,
+not in each of its segments' rows (a 20-segment session would hold 20 copies)."""
+
+
+def _with_info(rows: list[tuple[bytes | str, str, str | None]]) -> list[dict[str, Any]]:
+    """Trajectories from `_TRAJECTORIES` rows, each with its session's `info` (a row written
+    before `info` moved to the session keeps its own); a session's `info` is parsed once."""
+    infos: dict[str, dict[str, Any]] = {}
+    trajectories = []
+    for data, session_id, info in rows:
+        trajectory = _decode_trajectory(data)
+        if "info" not in trajectory:
+            if session_id not in infos:
+                infos[session_id] = json.loads(info) if info else {}
+            trajectory["info"] = infos[session_id]
+        trajectories.append(trajectory)
     return trajectories
 
 
@@ -391,7 +424,6 @@ def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
     """All finalized trajectories of a store file, in order (for export; read-only)."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT data FROM trajectories ORDER BY seq")
-        return [_decode_trajectory(row[0]) for row in rows]
+        return _with_info(db.execute(_TRAJECTORIES + " ORDER BY t.seq").fetchall())
     finally:
         db.close()

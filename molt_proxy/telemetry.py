@@ -129,8 +129,7 @@ class Telemetry:
     def closed(self, trajectories: list[Trajectory]) -> None:
         """A session closed into these trajectories."""
         for trajectory in trajectories:
-            side = trajectory.info.get("side") is True
-            self.trajectories.labels("side" if side else trajectory.status.value).inc()
+            self.trajectories.labels(trajectory.status.value).inc()
 
     def refreshed(self, seconds: float) -> None:
         self.refresh_seconds.observe(seconds)

@@ -19,6 +19,7 @@ class SessionStatus(enum.StrEnum):
     OPEN = "open"
     REWARDED = "rewarded"
     UNREWARDED = "unrewarded"  # closed by TTL or shutdown without a final reward
+    SIDE = "side"  # a harness's side request (`side.py`): served and kept, never trained on
 
 
 @dataclass(slots=True)
@@ -201,7 +202,8 @@ class Trajectory:
     info: dict[str, Any]
     """The reward's `info`, as posted."""
     status: SessionStatus
-    """How the session closed: rewarded, or unrewarded (TTL or shutdown)."""
+    """How the session closed: rewarded, unrewarded (TTL or shutdown), or side (a harness's
+    side request). The server's alone: a client writes only `reward` and `info`."""
     model: str
     """The served model."""
     created: float

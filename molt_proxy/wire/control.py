@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import orjson
 import pydantic
 from pydantic import BaseModel, Field, StrictBool, field_validator
 
@@ -18,6 +19,13 @@ from molt_proxy.errors import BadRequest
 from molt_proxy.wire.jsonbody import check_json_safe, decode_json_object
 
 M = TypeVar("M", bound=BaseModel)
+
+MAX_INFO_BYTES = 64 * 1024
+"""The largest reward `info` taken, as compact JSON. It is stored once per session and sent
+with each of its trajectories to the trainer, whose pages of 100 must stay small; what a
+rollout says about an attempt (exit code, durations, a check's output, a stderr tail) fits."""
+MAX_INFO_DEPTH = 8
+"""The deepest nesting of objects and arrays in `info` (itself at depth 1)."""
 
 
 class RewardBody(BaseModel):
@@ -30,22 +38,33 @@ class RewardBody(BaseModel):
     """Finite: one NaN in the store would make every later trajectory read fail."""
     final: StrictBool = True
     info: dict[str, Any] = Field(default_factory=dict)
-    """Free-form, stored with the trajectories: JSON with finite numbers only."""
+    """Free-form, stored once per session and given with its trajectories: JSON with finite
+    numbers only, at most `MAX_INFO_BYTES` and `MAX_INFO_DEPTH` deep."""
 
     @field_validator("info")
     @classmethod
     def _json_safe(cls, info: dict[str, Any]) -> dict[str, Any]:
         try:
-            check_json_safe(info)
+            check_json_safe(info, max_depth=MAX_INFO_DEPTH)
         except BadRequest as exc:
             raise ValueError(exc.message) from None
+        size = len(orjson.dumps(info))
+        if size > MAX_INFO_BYTES:
+            raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are taken")
         return info
 
     @classmethod
-    def decode(cls, body: bytes) -> RewardBody:
+    def decode(cls, body: bytes, reward_range: tuple[float, float]) -> RewardBody:
+        """The body, its reward inside `reward_range` (`Settings.reward_range`)."""
         reward = validated(cls, decode_json_object(body))
         if (reward.session_id is None) == (reward.completion_id is None):
             raise BadRequest("give exactly one of 'session_id' and 'completion_id'", param="session_id")
+        low, high = reward_range
+        if not low <= reward.reward <= high:
+            raise BadRequest(
+                f"'reward' must be within [{low:g}, {high:g}] (serve --reward-range), not {reward.reward:g}",
+                param="reward",
+            )
         return reward
 
 

@@ -91,15 +91,16 @@ def _strict(body: bytes) -> Any:
     return data
 
 
-def check_json_safe(value: Any, param: str = "") -> None:
-    """Refuse, in a decoded value, what JSON must not carry here: too deep, a lone surrogate, a
-    non-finite number, an integer outside int64. Iterative, so depth costs no stack."""
+def check_json_safe(value: Any, param: str = "", *, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse, in a decoded value, what JSON must not carry here: deeper than `max_depth`, a
+    lone surrogate, a non-finite number, an integer outside int64. Iterative, so depth costs no
+    stack."""
     stack: list[tuple[Any, int, str]] = [(value, 0, param)]
     while stack:
         item, depth, path = stack.pop()
         if isinstance(item, dict | list):
-            if depth >= MAX_DEPTH:
-                raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", param=path or None)
+            if depth >= max_depth:
+                raise BadRequest(f"the request body nests deeper than {max_depth} levels", param=path or None)
             stack.extend(_children(item, depth, path))
         else:
             _check_leaf(item, path)
