@@ -16,9 +16,11 @@ before any route runs and whatever the mode:
   `localhost` nor an `--allowed-hosts` name is refused (403). A rebinding page's requests
   carry its own domain name as `Host`. A proxy bound to a non-loopback address was exposed
   on purpose (its keys guard it) and checks `Host` only against `--allowed-hosts`, if given;
-- a POST with a body that is not JSON (`Content-Type` other than `application/json` or
+- a POST whose body says it is not JSON (a `Content-Type` other than `application/json` or
   `application/*+json`) is refused (415): every body the proxy takes is JSON, and a
-  cross-site form or `text/plain` post is how a page writes without a preflight.
+  cross-site form or `text/plain` post is how a page writes without a preflight. A body with
+  no `Content-Type` at all is read as JSON (scripts send such bodies; a page can too, with a
+  `Blob`, but its browser then sends its `Origin`).
 
 This module does not own keys (`auth.py`) nor the error bodies (`app.py`).
 """
@@ -84,8 +86,14 @@ class BrowserPolicy:
                 " origin to `serve --allowed-origins` to let it call the proxy",
                 code="origin_not_allowed",
             )
-        if method == "POST" and _has_body(headers) and not _is_json(headers.get(b"content-type", b"")):
-            kind = headers.get(b"content-type", b"").decode("latin-1")[:100] or "none"
+        content_type = headers.get(b"content-type")
+        if (
+            method == "POST"
+            and content_type is not None
+            and _has_body(headers)
+            and not _is_json(content_type)
+        ):
+            kind = content_type.decode("latin-1")[:100]
             return UnsupportedMediaType(
                 f"the request body must be JSON (Content-Type: application/json), not {kind!r}"
             )

@@ -424,7 +424,8 @@ def test_a_title_side_request_is_served_recorded_and_kept_out_of_the_trainers_st
     httpx.post(proxy + "/v1/rewards", json={"session_id": "cc-side", "reward": 1.0}).raise_for_status()
     listed = httpx.get(proxy + "/v1/trajectories", params={"limit": 10_000}).json()["data"]
     side = [t for t in listed if t["session_id"] in side_ids]
-    assert [(t["reward"], t["status"], t["info"]["side"]) for t in side] == [(None, "unrewarded", True)] * 2
+    rule = DEFAULT_SIDE_REQUESTS[0]
+    assert [(t["reward"], t["status"], t["info"]) for t in side] == [(None, "side", {"rule": rule})] * 2
     [main] = [t for t in listed if t["session_id"] == "cc-side"]
     assert main["num_segments"] == 1
     after = min(t["seq"] for t in side) - 1

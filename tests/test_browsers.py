@@ -76,8 +76,9 @@ def test_a_body_that_is_not_json_is_415_even_without_an_origin(proxy):
             "param": None,
             "code": "unsupported_media_type",
         }
-    missing = raw(proxy, "POST", "/v1/rewards", {}, b'{"session_id": "s", "reward": 1}')
-    assert missing.status_code == 415
+    # No content type at all is read as JSON (scripts send that).
+    missing = raw(proxy, "POST", "/v1/rewards", {}, b'{"session_id": "none", "reward": 1}')
+    assert missing.status_code == 404
     # Anthropic's routes answer in Anthropic's shape.
     anthropic = raw(proxy, "POST", "/v1/messages", {"content-type": "text/plain"}, b"{}")
     assert anthropic.status_code == 415

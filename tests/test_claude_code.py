@@ -64,9 +64,9 @@ def test_bare_episode_is_one_exact_segment_and_its_title_request_stays_out_of_tr
     [side] = [t for t in listed if t["session_id"] != session]
     assert side["session_id"].startswith("side-")
     assert (side["status"], side["reward"], side["info"]) == (
-        "unrewarded",
+        "side",
         None,
-        {"side": True, "rule": DEFAULT_SIDE_REQUESTS[0]},
+        {"rule": DEFAULT_SIDE_REQUESTS[0]},
     )
     headers = {"accept": "text/event-stream"}
     params = {"after": side["seq"] - 1}
