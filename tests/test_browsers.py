@@ -9,7 +9,10 @@ or form post, and for a DNS-rebinding page.
 
 from __future__ import annotations
 
+import http.server
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import httpx
@@ -18,6 +21,7 @@ import pytest
 
 from molt_proxy.browsers import BrowserPolicy
 from tests.inprocess import chat_body, inprocess_proxy, post
+from tests.test_viewer import chromium
 
 CHAT = "/v1/chat/completions"
 EVIL = "http://evil.example"
@@ -141,3 +145,70 @@ def test_a_proxy_bound_to_all_interfaces_checks_host_only_against_allowed_hosts(
     assert named.refusal("GET", {b"host": b"evil.example:8000"}).code == "host_not_allowed"
     # The Origin and content-type rules hold whatever the bound address.
     assert exposed.refusal("POST", {b"host": b"h", b"origin": EVIL.encode()}).code == "origin_not_allowed"
+
+
+# -- a real browser --------------------------------------------------------------------------
+
+ATTACK = """<!doctype html><title>a page on another site</title><script>
+const turn = (text) => JSON.stringify({{model: "tiny", messages: [{{role: "user", content: text}}]}});
+const post = (session, init) => fetch("{proxy}/s/" + session + "/v1/chat/completions",
+                                      {{method: "POST", mode: "no-cors", ...init}});
+Promise.all([
+  post("as-text", {{headers: {{"content-type": "text/plain"}}, body: turn("written by a web page")}}),
+  post("as-blob", {{body: new Blob([turn("written by a web page")])}}),  // no Content-Type at all
+]).then(() => document.title = "sent", () => document.title = "failed");
+</script>"""
+
+
+@contextmanager
+def attacker_site(proxy: str) -> Iterator[int]:
+    """A web server on loopback serving the attacking page; yields its port. Chromium reaches it
+    as `http://evil.example:<port>` (`--host-resolver-rules`), a foreign origin."""
+    page = ATTACK.format(proxy=proxy).encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+
+
+def test_a_page_on_another_site_in_a_real_browser_writes_nothing(proxy, tmp_path):
+    """Debian's Chromium loads a page of `evil.example` that posts two chat turns to the proxy
+    as simple requests (`no-cors`, no preflight): one `text/plain`, one a `Blob` without a
+    content type. Both are refused for their `Origin`. With every origin allowed, the browser's
+    requests arrive: the `text/plain` one is still refused (415), the other writes its turn."""
+    rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+    with attacker_site(proxy) as port:
+        assert "<title>sent</title>" in chromium(f"http://evil.example:{port}/", rules, "--dump-dom")
+    for session in ("as-text", "as-blob"):
+        assert httpx.get(f"{proxy}/v1/sessions/{session}").status_code == 404
+    with (
+        inprocess_proxy(tmp_path / "store.db", allowed_origins=["*"]) as allowing,
+        attacker_site(allowing) as port,
+    ):
+        chromium(f"http://evil.example:{port}/", rules, "--dump-dom")
+        assert httpx.get(f"{allowing}/v1/sessions/as-text").status_code == 404
+        written = httpx.get(f"{allowing}/v1/sessions/as-blob")
+        assert written.status_code == 200 and len(written.json()["segments"][0]["turns"]) == 1
+
+
+def test_a_dns_rebinding_page_in_a_real_browser_reads_nothing(proxy):
+    """The attacker's name resolves to 127.0.0.1 (`--host-resolver-rules`), so the browser
+    loads the proxy's own pages as `evil.example`: same-origin to the page, refused by Host."""
+    port = urlsplit(proxy).port
+    rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+    dom = chromium(f"http://evil.example:{port}/v1/trajectories", rules, "--dump-dom")
+    assert "host_not_allowed" in dom and '"data"' not in dom
+    assert '"data"' in chromium(f"http://127.0.0.1:{port}/v1/trajectories", "--dump-dom")
