@@ -68,10 +68,11 @@ class Estimator(enum.StrEnum):
 # but an offline export or another proxy may not). Squares of 1e155 raise OverflowError, sums of
 # 1e308 are inf and inf - inf is nan; so the group arithmetic runs on the rewards divided by a
 # power of two 2^e at least max |r| (`_exponent`): every scaled value is in [-1, 1], no square or
-# sum can overflow, and the division is exact, so ordinary rewards give the same bits as the
-# plain formulas would. A result that is a difference of rewards (Dr.GRPO, RLOO, r - b, a
-# return) may truly exceed the largest float (1e308 - (-1e308)); it saturates at +-1.8e308
-# (`bounded`), keeping its sign. GRPO's advantages are at most sqrt(n - 1) in magnitude.
+# sum can overflow, and the division is exact (but for rewards 2^1022 times smaller than the
+# largest, which lose bits they could not matter by), so ordinary rewards give the plain
+# formulas' values up to the last bit. A result that is a difference of rewards (Dr.GRPO, RLOO,
+# r - b, a return) may truly exceed the largest float (1e308 - (-1e308)); it saturates at
+# +-1.8e308 (`bounded`), keeping its sign. GRPO's advantages are at most (n - 1) / sqrt(n).
 
 
 def bounded(value: float) -> float:
@@ -105,7 +106,7 @@ def _unscaled(value: float, exponent: int) -> float:
 
 
 def _mean(values: Sequence[float]) -> float:
-    """The mean of finite values, finite and correctly rounded (fsum of the scaled values)."""
+    """The mean of finite values, finite: the correctly rounded sum (`fsum`) of the scaled values, / n."""
     e = _exponent(values)
     return _unscaled(math.fsum(math.ldexp(v, -e) for v in values) / len(values), e)
 
