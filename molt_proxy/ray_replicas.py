@@ -21,6 +21,13 @@ object store keeps the last version's files, so a replica that comes back after 
 pruned its folder still gets them.
 
 Ray is imported only here and in `ray_actor`, and only with `--ray-address`.
+
+Joining the cluster (`join_cluster`, the trainer's `--ray-address` too): Ray 2.60's `ray start
+--head` turns token authentication on when the head has a token (~/.ray/auth_token, which any
+earlier local `ray.init()` there writes), and a process that joins by an explicit address
+never turns it on by itself (only `address="auto"` does). It is then refused, after ~20 s of
+retries, with "Failed to connect to Ray cluster at ADDR" and Ray's own explanation two causes
+down; `RayTokenAuthError` says what to do instead.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, Self
@@ -38,6 +46,59 @@ from molt_proxy.types import Generation
 from molt_proxy.upstream import ModelInfo, TokenDelta, Upstream
 
 log = logging.getLogger(__name__)
+
+
+_AUTH_MODE = "RAY_AUTH_MODE"
+_REFUSED = ("InvalidAuthToken", "Authentication token is missing or incorrect", "no authentication token")
+"""What Ray's refusals for want of a (right) token say (`ray.exceptions.AuthenticationError`'s
+messages as they reach `ray.init`'s ConnectionError, inside a RuntimeError's text)."""
+
+
+class RayTokenAuthError(ConnectionError):
+    """The Ray cluster asked for an auth token that this process did not send, or sent wrong."""
+
+
+def join_cluster(address: str, **options: Any) -> None:
+    """`ray.init` on the existing cluster at `address` (`options` passed on); a refusal for
+    want of Ray's auth token raises `RayTokenAuthError` naming the fix (module docstring)."""
+    import ray
+
+    try:
+        ray.init(address=address, ignore_reinit_error=True, **options)
+    except Exception as exc:
+        if not refused_for_token(exc):
+            raise
+        raise RayTokenAuthError(token_auth_hint(address)) from exc
+
+
+def refused_for_token(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is Ray refusing a missing or wrong
+    auth token: an `AuthenticationError`, or its text in the RuntimeError that Ray wraps it in."""
+    from ray.exceptions import AuthenticationError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, AuthenticationError) or any(marker in text for marker in _REFUSED):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def token_auth_hint(address: str) -> str:
+    """What to do when the cluster at `address` wants a token (checked with Ray 2.60)."""
+    mode = os.environ.get(_AUTH_MODE)
+    here = f"{_AUTH_MODE}={mode}" if mode is not None else f"{_AUTH_MODE} unset"
+    return (
+        f"the Ray cluster at {address} refused this process: it has token authentication on and "
+        f"this process sent no token, or not its token ({here}). `ray start --head` turns it on "
+        "when the head has a token (~/.ray/auth_token; any earlier local ray.init() there writes "
+        "one), and a process joining by address must turn it on itself. Either run this with "
+        "RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, in RAY_AUTH_TOKEN or in "
+        "the file RAY_AUTH_TOKEN_PATH names (`ray get-auth-token` on the head prints it), or start "
+        "the cluster with RAY_AUTH_MODE=disabled on every node. "
+        "See https://docs.ray.io/en/latest/ray-security/token-auth.html"
+    )
 
 
 def parse_resources(spec: str) -> dict[str, float]:
@@ -219,7 +280,7 @@ def start_replicas(
     """Join the Ray cluster at `address`, start `count` replica actors and wait for their vLLMs."""
     import ray
 
-    ray.init(address=address, ignore_reinit_error=True)
+    join_cluster(address)
     remote = ray.remote(VLLMActor)
     options = actor_options(resources, max_restarts)
     actors = [remote.options(**options).remote(model, max_model_len, extra_args) for _ in range(count)]

@@ -6,7 +6,8 @@ skip unrewarded ones or spread advantages over tokens; the caller and the loss d
 
 A group of one gets advantage 0 from every group-relative estimator (GRPO, Dr.GRPO, RLOO):
 with nothing to compare against there is no signal. Use `reinforce` or `reinforce_baseline`
-when rollouts are not grouped.
+when rollouts are not grouped. A flat group, whose rewards are equal within `FLAT_RTOL` of
+their scale, gets exactly 0 too. Every estimator is finite for any finite rewards (section 1).
 
 Per-turn credit (`--turn-discount gamma`): an episode i of K_i turns (its segments in order,
 each segment's turns in order) has per-turn rewards r_ik (`Turn.reward`, posted with the
@@ -30,7 +31,21 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections.abc import Sequence
+
+FLAT_RTOL = 1e-9
+"""Rewards equal within this share of their largest magnitude are equal: a group whose
+max - min <= FLAT_RTOL * max |r| is flat, and every group-relative estimator gives each of
+its trajectories exactly 0. Float64 arithmetic leaves rewards that should be equal a few ulps
+(~1e-16 relative) apart (a mean of [0.7] * 8 is not 0.7; per-turn returns summed in another
+order differ in their last bit), and such noise, divided by a std of the same noise or
+handed to Adam, which normalises the gradient away, made a full-size step out of nothing
+(issue 26: advantages of 1e-11, weights moved 6.7e-4). 1e-9 is far above that noise and far
+below any difference a reward means to make. `reinforce_baseline` treats r within it of b
+alike."""
+
+_MAX = sys.float_info.max
 
 
 class Estimator(enum.StrEnum):
@@ -47,6 +62,65 @@ class Estimator(enum.StrEnum):
     """r - b, with b a running mean of past rewards kept by the caller (`update_baseline`)."""
 
 
+# 1. Finite arithmetic on any finite rewards ----------------------------------------------------
+#
+# A reward may be any finite float (the proxy bounds them to +-1e6 by default, `--reward-range`,
+# but an offline export or another proxy may not). Squares of 1e155 raise OverflowError, sums of
+# 1e308 are inf and inf - inf is nan; so the group arithmetic runs on the rewards divided by a
+# power of two 2^e at least max |r| (`_exponent`): every scaled value is in [-1, 1], no square or
+# sum can overflow, and the division is exact (but for rewards 2^1022 times smaller than the
+# largest, which lose bits they could not matter by), so ordinary rewards give the plain
+# formulas' values up to the last bit. A result that is a difference of rewards (Dr.GRPO, RLOO,
+# r - b, a return) may truly exceed the largest float (1e308 - (-1e308)); it saturates at
+# +-1.8e308 (`bounded`), keeping its sign. GRPO's advantages are at most (n - 1) / sqrt(n).
+
+
+def bounded(value: float) -> float:
+    """`value` clamped to the finite floats: inf (an overflowed sum or difference of finite
+    numbers) becomes +-sys.float_info.max; nan is not expected here and is refused."""
+    if math.isnan(value):
+        raise ValueError("nan where only finite numbers or an overflow can be")
+    return max(-_MAX, min(_MAX, value))
+
+
+def is_flat(rewards: Sequence[float], rtol: float = FLAT_RTOL) -> bool:
+    """Whether `rewards` (finite) are all equal within `rtol` of their largest magnitude
+    (`FLAT_RTOL`); an empty or one-reward group is flat."""
+    if len(rewards) < 2:
+        return True
+    spread = max(rewards) - min(rewards)  # inf when it overflows: then not flat
+    return spread <= rtol * max(abs(r) for r in rewards)
+
+
+def _exponent(values: Sequence[float]) -> int:
+    """e with max |v| <= 2^e: dividing by 2^e brings every value into [-1, 1], exactly."""
+    return math.frexp(max(abs(v) for v in values))[1]
+
+
+def _unscaled(value: float, exponent: int) -> float:
+    """value * 2^exponent, saturated at +-sys.float_info.max."""
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:
+        return math.copysign(_MAX, value)
+
+
+def _mean(values: Sequence[float]) -> float:
+    """The mean of finite values, finite: the correctly rounded sum (`fsum`) of the scaled values, / n."""
+    e = _exponent(values)
+    return _unscaled(math.fsum(math.ldexp(v, -e) for v in values) / len(values), e)
+
+
+def _difference(a: float, b: float, rtol: float = FLAT_RTOL) -> float:
+    """a - b, saturated; exactly 0 when a and b are equal within `rtol` of the larger."""
+    if is_flat([a, b], rtol):
+        return 0.0
+    return bounded(a - b)
+
+
+# 2. The estimators -----------------------------------------------------------------------------
+
+
 def compute_advantages(
     rewards: Sequence[float],
     estimator: Estimator | str,
@@ -54,7 +128,7 @@ def compute_advantages(
     baseline: float = 0.0,
     eps: float = 1e-6,
 ) -> list[float]:
-    """Advantages for one group, in the order of `rewards`.
+    """Advantages for one group, in the order of `rewards`; finite for any finite rewards.
 
     rewards: [G] one finite reward per trajectory of the group.
     estimator: an `Estimator` or its name (as written in a config file).
@@ -65,6 +139,8 @@ def compute_advantages(
 
     GRPO divides by the sample std (n - 1), as `torch.std` does in TRL and verl, so that our
     numbers match runs made with them; for a group of one that std is undefined and we use 0.
+    A flat group (`is_flat`: rewards equal within `FLAT_RTOL` of their scale) gets exactly 0
+    from GRPO, Dr.GRPO and RLOO, never the rounding noise of its mean.
     """
     estimator = Estimator(estimator)
     if not rewards:
@@ -72,20 +148,26 @@ def compute_advantages(
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(f"rewards must be finite, got {list(rewards)}")
     n = len(rewards)
-    mean = sum(rewards) / n
-    if estimator is Estimator.GRPO:
-        var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
-        return [(r - mean) / (math.sqrt(var) + eps) for r in rewards]
-    if estimator is Estimator.DR_GRPO:
-        return [r - mean for r in rewards]
-    if estimator is Estimator.RLOO:
-        if n == 1:
-            return [0.0]
-        total = sum(rewards)
-        return [r - (total - r) / (n - 1) for r in rewards]
     if estimator is Estimator.REINFORCE:
         return [float(r) for r in rewards]
-    return [r - baseline for r in rewards]  # Estimator.REINFORCE_BASELINE
+    if estimator is Estimator.REINFORCE_BASELINE:
+        return [_difference(r, baseline) for r in rewards]
+    if is_flat(rewards):  # a group of one too
+        return [0.0] * n
+    e = _exponent(rewards)
+    scaled = [math.ldexp(r, -e) for r in rewards]  # in [-1, 1]
+    total = math.fsum(scaled)
+    if estimator is Estimator.RLOO:
+        return [_unscaled(x - (total - x) / (n - 1), e) for x in scaled]
+    deviations = [x - total / n for x in scaled]  # in [-2, 2]
+    if estimator is Estimator.DR_GRPO:
+        return [_unscaled(d, e) for d in deviations]
+    # GRPO: (r - mean) / (std + eps) = d / (std of the scaled rewards + eps / 2^e)
+    std = math.sqrt(math.fsum(d * d for d in deviations) / (n - 1))
+    shift = _unscaled(eps, -e)
+    if shift == _MAX:  # rewards of ~1e-300 and below: std is nothing beside eps, A = d 2^e / eps
+        return [bounded(_unscaled(d / eps, e)) for d in deviations]
+    return [d / (std + shift) for d in deviations]
 
 
 def update_baseline(baseline: float | None, rewards: Sequence[float], decay: float) -> float:
@@ -94,28 +176,37 @@ def update_baseline(baseline: float | None, rewards: Sequence[float], decay: flo
     An exponential moving average (as the moving-average baseline of Ahmadian et al., 2024,
     "Back to Basics"): b <- decay * b + (1 - decay) * mean(rewards). `None` means no group
     has been seen yet; the first group's mean seeds it. The trainer keeps b in its checkpoint.
+    Finite for finite rewards (the mean of [1e308, 1e308] is 1e308, not inf).
     """
     if not rewards:
         raise ValueError("a group needs at least one reward")
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay}")
-    mean = sum(rewards) / len(rewards)
+    mean = _mean(rewards)
     if baseline is None:
         return mean
-    return decay * baseline + (1.0 - decay) * mean
+    return bounded(decay * baseline + (1.0 - decay) * mean)
 
 
 def turn_returns(turn_rewards: Sequence[float | None], final_reward: float, discount: float) -> list[float]:
-    """G_k, the discounted reward-to-go of each turn (formula above); None rewards count 0."""
+    """G_k, the discounted reward-to-go of each turn (formula above); None rewards count 0.
+
+    Computed on the rewards scaled as the estimators scale them (section 1), so a sum of
+    rewards near the largest float saturates only where the true return exceeds it.
+    """
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"discount must be in [0, 1], got {discount}")
     rewards = [r or 0.0 for r in turn_rewards]
-    if rewards:
-        rewards[-1] += final_reward
+    if not rewards:
+        return []
+    e = _exponent([*rewards, final_reward])
+    # the final reward is added to the last turn's after scaling: their sum may exceed 1e308
+    scaled = [math.ldexp(r, -e) for r in rewards]
+    scaled[-1] += math.ldexp(final_reward, -e)
     returns, future = [], 0.0
-    for reward in reversed(rewards):
-        future = reward + discount * future
-        returns.append(future)
+    for reward in reversed(scaled):
+        future = reward + discount * future  # at most len(rewards) + 1 in magnitude
+        returns.append(_unscaled(future, e))
     return returns[::-1]
 
 

@@ -59,12 +59,14 @@ class LossConfig:
     in the paper), since a geometric mean stays close to 1."""
     entropy_coef: float = 0.0
     """An entropy bonus: this times the policy's entropy at each kept token is subtracted
-    from the loss. 0 (the default; DAPO and Dr.GRPO use none): the entropy is only logged."""
+    from the loss. 0 (the default; DAPO and Dr.GRPO use none): the entropy is only logged.
+    Above 0 a step whose advantages are all 0 still runs, for this term (`loop.py`)."""
     kl_coef: float = 0.0
     """beta of a KL penalty towards a frozen reference policy, the initial weights. 0 (the
     default, as in DAPO and Dr.GRPO, which found it only slows learning): no reference model
     is loaded at all. Above 0 the trainer holds a second copy of the model and runs one more
-    forward per micro-batch (bench/RESULTS.md, block 4)."""
+    forward per micro-batch (bench/RESULTS.md, block 4). Above 0 with `kl_in` loss, a step
+    whose advantages are all 0 still runs, for this term (`loop.py`)."""
     kl_estimator: KlEstimator = "k3"
     """Per sampled token, with x = log ref - log pi: k1 = -x (unbiased, can be negative), k2 =
     x^2 / 2, k3 = e^x - 1 - x (unbiased for KL(pi || ref), never negative, low variance:

@@ -20,7 +20,14 @@ import torch
 from torch import Tensor
 
 from molt_proxy.types import Trajectory
-from trainer.advantage import Estimator, compute_advantages, turn_advantages, turn_returns
+from trainer.advantage import (
+    Estimator,
+    bounded,
+    compute_advantages,
+    turn_advantages,
+    turn_returns,
+)
+from trainer.advantage import is_flat as rewards_flat
 from trainer.batch import Batch
 from trainer.buffer import Group
 from trainer.config import LossConfig
@@ -28,6 +35,8 @@ from trainer.loss import kl_estimate
 
 if TYPE_CHECKING:
     from trainer.policy import Policy
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def group_advantages(
@@ -44,12 +53,12 @@ def group_advantages(
     trajectories = [t for g in groups for t in g.trajectories]
     penalty = dict.fromkeys((t.seq for t in trajectories), 0.0)
     if penalties is not None:
-        penalty = {t.seq: sum(p) for t, p in zip(trajectories, penalties, strict=True)}
+        penalty = {t.seq: bounded(sum(p)) for t, p in zip(trajectories, penalties, strict=True)}
     advantages = []
     for group in groups:
         rewards: dict[str, float] = {}
         for t in group.trajectories:
-            rewards[t.session_id] = rewards.get(t.session_id, t.reward) - penalty[t.seq]
+            rewards[t.session_id] = bounded(rewards.get(t.session_id, t.reward) - penalty[t.seq])
         sessions = list(rewards)
         values = compute_advantages([rewards[s] for s in sessions], estimator, baseline=baseline or 0.0)
         by_session = dict(zip(sessions, values, strict=True))
@@ -67,16 +76,27 @@ def step_advantages(
     penalties: list[list[float]] | None = None,
 ) -> Tensor:
     """The step's advantages as the loss takes them: [B] one per trajectory, or with
-    `turn_discount` [B,T] (T = `length`) one per turn on its sampled tokens."""
+    `turn_discount` [B,T] (T = `length`) one per turn on its sampled tokens.
+
+    float32, as the loss computes: an advantage past float32's largest (~3.4e38, a Dr.GRPO or
+    RLOO of rewards beyond it) saturates there instead of becoming inf (or, on a turn's
+    tokens, a RuntimeError). The loss and its gradient scale with it all the same: the proxy
+    bounds rewards (`--reward-range`, +-1e6 by default) long before that."""
     if turn_discount is None:
-        return torch.tensor(group_advantages(groups, estimator, baseline, penalties=penalties))
+        values = group_advantages(groups, estimator, baseline, penalties=penalties)
+        return torch.tensor([_float32(v) for v in values])
     trajectories = [t for g in groups for t in g.trajectories]
     per_turn = group_turn_advantages(groups, estimator, baseline, turn_discount, penalties=penalties)
     advantages = torch.zeros(len(trajectories), length)
     for row, (t, values) in enumerate(zip(trajectories, per_turn, strict=True)):
         for turn, value in zip(t.turns, values, strict=True):
-            advantages[row, turn.completion_start : turn.completion_end] = value
+            advantages[row, turn.completion_start : turn.completion_end] = _float32(value)
     return advantages
+
+
+def _float32(value: float) -> float:
+    """`value` clamped to the finite float32 range."""
+    return max(-_FLOAT32_MAX, min(_FLOAT32_MAX, value))
 
 
 def group_turn_advantages(
@@ -98,7 +118,9 @@ def group_turn_advantages(
         rewards: dict[str, list[float]] = {}
         for t in group.trajectories:
             turns = rewards.setdefault(t.session_id, [])
-            turns += [(turn.reward or 0.0) - p for turn, p in zip(t.turns, penalty[t.seq], strict=True)]
+            turns += [
+                bounded((turn.reward or 0.0) - p) for turn, p in zip(t.turns, penalty[t.seq], strict=True)
+            ]
         finals = {t.session_id: t.reward for t in group.trajectories}
         sessions = list(rewards)
         returns = [turn_returns(rewards[s], finals[s], discount) for s in sessions]
@@ -115,14 +137,19 @@ def group_turn_advantages(
 
 def is_flat(group: Group, *, by_turn: bool) -> bool:
     """Whether every session of the group had the same outcome: the same final reward, and
-    with `by_turn` (per-turn credit) the same per-turn rewards, turn by turn. A group-relative
-    estimator then gives every token advantage 0 (a group of one session is flat)."""
-    outcomes: dict[str, list[float | None]] = {}
+    with `by_turn` (per-turn credit) the same number of turns and the same per-turn rewards,
+    turn by turn (a turn without a reward counts 0, as in its return). "The same" is within
+    `advantage.FLAT_RTOL` of the values' scale, as the estimators judge a group flat: a
+    group-relative estimator then gives every token exactly advantage 0 (a group of one
+    session is flat)."""
+    outcomes: dict[str, list[float]] = {}
     for t in group.trajectories:
-        outcome = outcomes.setdefault(t.session_id, [t.reward])
+        outcome = outcomes.setdefault(t.session_id, [t.reward or 0.0])
         if by_turn:
-            outcome += [turn.reward for turn in t.turns]
-    return len({tuple(o) for o in outcomes.values()}) <= 1
+            outcome += [turn.reward or 0.0 for turn in t.turns]
+    if len({len(o) for o in outcomes.values()}) > 1:
+        return False
+    return all(rewards_flat(position) for position in zip(*outcomes.values(), strict=True))
 
 
 def turn_sums(values: Tensor, loss_mask: Tensor, trajectories: list[Trajectory]) -> list[list[float]]:

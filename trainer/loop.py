@@ -15,10 +15,13 @@ separately. With the defaults (one epoch, one mini-batch) versions equal optimiz
 Steps that would change nothing are skipped, counted (`TrainerState.skipped_steps`, in every
 metrics record) and logged: their trajectories are consumed (the cursor moves on, they are
 not trained on later) but no optimizer step runs, the step and version stay, and vLLM is not
-refreshed. A step is skipped when every advantage is 0 ("zero_advantage"), every sampled
-token is left out by how it was sampled ("untrainable", `sampling.py`), every one left is past
-`max_staleness` ("stale"), or every update's gradient was exactly 0, i.e. every kept token was
-masked by its importance weight ("masked"). Groups are dropped and counted before a step
+refreshed. A step is skipped when every advantage is 0 and the loss has no other term
+("zero_advantage"; with `--entropy-coef` or `--kl-coef` in the loss above 0 the step still
+runs for those terms: the entropy bonus and the pull towards the reference act on every kept
+token whatever its advantage), every sampled token is left out by how it was sampled
+("untrainable", `sampling.py`), every one left is past `max_staleness` ("stale"), or every
+update's gradient was exactly 0, i.e. every kept token was masked by its importance weight
+("masked"). Groups are dropped and counted before a step
 instead (`_admit`): a group whose every sampled token is past `max_staleness` when it becomes
 ready, or while it waits for a step; and with `drop_flat_groups` (DAPO's dynamic sampling) a
 group whose episodes all had the same outcome, which group-relative estimators give advantage
@@ -64,6 +67,18 @@ def replicas_behind(proxy_url: str, version: int, headers: dict[str, str]) -> li
     health = httpx.get(f"{proxy_url.rstrip('/')}/health", headers=headers, timeout=30)
     health.raise_for_status()
     return [r["url"] for r in health.json()["replicas"] if r["weight_version"] != version]
+
+
+def session_rewards(trajectories: list[Trajectory]) -> list[float]:
+    """One reward per rewarded session, in order of first appearance: a session's segments
+    share its reward, and a mean over segments would weigh a session by its segment count
+    (a session of 2 segments rewarded 1 beside one of 1 segment rewarded 0: 0.667, not 0.5).
+    `reward_mean` and the running baseline average these."""
+    rewards: dict[str, float] = {}
+    for t in trajectories:
+        if t.reward is not None:
+            rewards.setdefault(t.session_id, t.reward)
+    return list(rewards.values())
 
 
 def has_fresh_tokens(group: Group, version: int, max_staleness: int | None) -> bool:
@@ -205,6 +220,13 @@ class Trainer:
     def _by_turn(self) -> bool:
         return self.config.turn_discount is not None
 
+    @property
+    def _loss_beyond_advantages(self) -> bool:
+        """Whether the loss has a term that does not scale with the advantage: an entropy bonus,
+        or a KL penalty in the loss (in the reward it is part of the advantages)."""
+        loss = self.config.loss
+        return loss.entropy_coef > 0 or (loss.kl_coef > 0 and loss.kl_in == "loss")
+
     def _step(self, groups: list[Group], pending: list[Trajectory]) -> None:
         config, state = self.config, self.state
         started = time.monotonic()
@@ -225,7 +247,7 @@ class Trainer:
             penalties=penalties,
         )
         state.pending = pending
-        if not bool(batch.advantages.any()):
+        if not bool(batch.advantages.any()) and not self._loss_beyond_advantages:
             return self._skip(trajectories, "zero_advantage")
         if not batch.loss_mask.any():
             return self._skip(trajectories, "untrainable")
@@ -237,7 +259,7 @@ class Trainer:
         if step_metrics["optimizer_steps"] == 0:
             return self._skip(trajectories, "masked")
         compute_s = time.monotonic() - started
-        rewards = [t.reward for t in trajectories if t.reward is not None]
+        rewards = session_rewards(trajectories)
         if config.estimator == Estimator.REINFORCE_BASELINE:
             state.baseline = update_baseline(state.baseline, rewards, _BASELINE_DECAY)
         state.step += 1

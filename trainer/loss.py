@@ -50,6 +50,18 @@ to the full-batch loss:
 
 Tokens masked by the importance weight stay in n_i and D: masking is an importance weight of
 zero, not a change of the sample, and D must be known before any micro-batch's forward pass.
+
+KL under truncated sampling (top-k, top-p, min-p): pi and ref are the processed distributions
+(`sampling.py`), each truncated by its own logits. Where a sampled token is outside one kept
+set, that side's true probability is 0 and the KL infinite; the sentinel logprob standing in
+for it (-87.3) made k3 = e^85 (a loss of 2.3e36) and k2's gradient 86 times a normal one
+(issue 26). So k_t compares `kl_logprobs` with `ref_logprobs`, both computed with
+`extend_support`: the sampled token keeps its processed logprob where its distribution kept
+it, and where truncation dropped it, its probability over the kept set plus itself. The KL is
+then taken over what both distributions support (their kept sets, and the token the sampler
+did draw), finite and smooth in the logits, 0 where pi and ref agree; untruncated sampling is
+unaffected. The PPO ratio keeps the sentinel: there it makes a token the trainer cannot
+reproduce weigh ~0.
 """
 
 from __future__ import annotations
@@ -149,6 +161,7 @@ def policy_loss(
     denominator: int | None = None,
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    kl_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
 
@@ -167,6 +180,8 @@ def policy_loss(
         (with its gradient) when that is above 0.
     ref_logprobs: [B,T] log ref, the frozen reference policy's; the KL estimate against it is
         logged, and `kl_coef` times it added to each kept token's term when `kl_in` is loss.
+    kl_logprobs: [B,T] log pi for the KL term, with gradient: `logprobs` with the support
+        extended where truncation dropped the token (module docstring); None uses `logprobs`.
 
     Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
     `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
@@ -205,8 +220,9 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * entropy
     if ref_logprobs is not None:
         # zeros off the kept tokens, as for the ratios: padding's -inf would make nan gradients
+        pi = logprobs if kl_logprobs is None else kl_logprobs
         kl_ref = kl_estimate(
-            torch.where(kept, logprobs, zeros), torch.where(kept, ref_logprobs, zeros), config.kl_estimator
+            torch.where(kept, pi, zeros), torch.where(kept, ref_logprobs, zeros), config.kl_estimator
         )
         if config.kl_in == "loss":
             per_token = per_token + config.kl_coef * kl_ref

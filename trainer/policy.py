@@ -56,6 +56,8 @@ def token_logprobs(
     attention_mask: Tensor,
     sampling: TokenSampling | None = None,
     share: bool = True,
+    *,
+    extend_support: bool = False,
 ) -> Tensor:
     """[B,T] float32 log p(token_t | tokens_<t), aligned to positions; 0.0 at position 0 and on
     padding. input_ids, attention_mask: [B,T], right-padded. `sampling` ([B,T]): the
@@ -70,13 +72,17 @@ def token_logprobs(
     Cost: the [B,T,V] float32 logits and the [B,T,V] log_softmax, which the backward keeps.
     At real vocabularies that is the trainer's largest tensor; chunking over T, or a fused
     kernel, is the next step. `share`: rows' shared prefixes run once (`trainer/prefix.py`).
+    `extend_support`: a token outside its truncation's kept set gets the logprob the KL
+    compares (`sampling.py`) instead of the sentinel.
     """
     logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
     if sampling is None:
         picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
         picked = picked.squeeze(-1)
     else:
-        picked = processed_logprobs(logits, input_ids[:, 1:], sampling.shifted())
+        picked = processed_logprobs(
+            logits, input_ids[:, 1:], sampling.shifted(), extend_support=extend_support
+        )
     return _aligned(picked, attention_mask)
 
 
@@ -89,16 +95,21 @@ def token_logprobs_and_entropy(
     *,
     entropy_grad: bool,
     share: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """`token_logprobs`, and [B,T] the entropy of the distribution each token was drawn from,
-    aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere): one forward, one
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`token_logprobs`, [B,T] the entropy of the distribution each token was drawn from,
+    aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere), and
+    `token_logprobs(extend_support=True)`, the logprobs a KL penalty compares: one forward, one
     log_softmax. With a gradient only when `entropy_grad` (an entropy bonus); logging it costs
     an exp and a dot over the vocabulary per trained token."""
     logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
-    picked, entropy = processed_logprobs_and_entropy(
+    picked, entropy, extended = processed_logprobs_and_entropy(
         logits, input_ids[:, 1:], sampling.shifted(), loss_mask[:, 1:].bool(), entropy_grad=entropy_grad
     )
-    return _aligned(picked, attention_mask), _aligned(entropy, attention_mask)
+    return (
+        _aligned(picked, attention_mask),
+        _aligned(entropy, attention_mask),
+        _aligned(extended, attention_mask),
+    )
 
 
 def _aligned(values: Tensor, attention_mask: Tensor) -> Tensor:
@@ -241,13 +252,20 @@ class Policy:
         )
 
     def reference_logprobs(self, micro_batch: Batch) -> Tensor:
-        """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`."""
+        """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`, for
+        the KL: a sampled token outside the reference's truncation gets its logprob with the
+        support extended by it (`sampling.py`), never the -87.3 sentinel."""
         if self.reference is None:
             raise RuntimeError("this Policy holds no reference model (Policy(reference=True))")
         mb = micro_batch.to(self.device)
         with torch.no_grad():
             return token_logprobs(
-                self.reference, mb.input_ids, mb.attention_mask, mb.sampling, share=self.shared_prefix
+                self.reference,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.sampling,
+                share=self.shared_prefix,
+                extend_support=True,
             )
 
     def train_step(
@@ -285,7 +303,7 @@ class Policy:
         parts = []
         for i, micro_batch in enumerate(micro_batches):
             mb = micro_batch.to(self.device)
-            logprobs, entropy = token_logprobs_and_entropy(
+            logprobs, entropy, kl_logprobs = token_logprobs_and_entropy(
                 self.model,
                 mb.input_ids,
                 mb.attention_mask,
@@ -306,6 +324,7 @@ class Policy:
                 denominator=denominator,
                 entropy=entropy,
                 ref_logprobs=self._reference_for_loss(micro_batch, loss),
+                kl_logprobs=kl_logprobs,
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})

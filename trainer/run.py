@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from molt_proxy.ray_replicas import join_cluster
 from trainer.config import TrainerConfig, add_arguments, config_from_args
 from trainer.loop import Trainer
 from trainer.metrics import progress_line, read
@@ -20,8 +21,12 @@ log = logging.getLogger(__name__)
 def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Start (or join, with `ray_address`) Ray, run the trainer actor to `max_steps`."""
     # "local" starts a fresh instance: a bare init() may try to join the cluster that a killed
-    # earlier run left behind, and wait for its dead head.
-    ray.init(address=config.ray_address or "local", ignore_reinit_error=True, include_dashboard=False)
+    # earlier run left behind, and wait for its dead head. A cluster that wants Ray's auth
+    # token is named as such (`join_cluster`), not left as "Failed to connect".
+    if config.ray_address:
+        join_cluster(config.ray_address, include_dashboard=False)
+    else:
+        ray.init(address="local", ignore_reinit_error=True, include_dashboard=False)
     # The actor does its own threading; it must not wait for a Ray CPU slot on small machines.
     # Sending weights GPU to GPU (`trainer/transfer.py`), it asks Ray for a GPU of its own if
     # the cluster has one, so that replicas Ray placed (`serve --ray-address`) are on others.

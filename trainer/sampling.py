@@ -42,6 +42,15 @@ everywhere), so it is computed without gradient and held fixed; the gradient flo
 the kept logits and the temperature division. A token that falls outside the trainer's kept
 set (the boundary moved by float noise, ~1e-5) would have log pi = -inf; it gets
 `OUTSIDE_SUPPORT` instead, so its importance weight exp(pi - mu) is ~0 and its gradient 0.
+
+The KL penalty cannot take that sentinel: against a reference whose kept set misses a sampled
+token, log ref - log pi is ~ -86 (k2's gradient 86 times a normal one) and, the other way
+round, k3 = e^86 (a loss of 1e36). Logprobs for the KL (`extend_support=True`) give such a
+token its probability in the processed distribution with its support extended by that token,
+p_t / (p(kept) + p_t), i.e. log p = z_t - logaddexp(logsumexp of the kept z, z_t), with its
+gradient; a token inside the kept set gets its processed logprob unchanged. So pi and ref are
+compared over the tokens both support (the kept set, and the sampled token, which the sampler
+supported), and a fresh policy's KL to its own copy is 0 exactly as before (`loss.py`).
 """
 
 from __future__ import annotations
@@ -155,7 +164,9 @@ def reproducible(sampling: Sampling) -> bool:
 # 2. The processed distribution -----------------------------------------------------------
 
 
-def processed_logprobs(logits: Tensor, targets: Tensor, sampling: TokenSampling) -> Tensor:
+def processed_logprobs(
+    logits: Tensor, targets: Tensor, sampling: TokenSampling, *, extend_support: bool = False
+) -> Tensor:
     """[B,T] float32 log pi(targets) under vLLM's processing (steps 3-7).
 
     logits: [B,T,V] the policy's (float32), position t scoring targets[:, t]; targets: [B,T];
@@ -163,18 +174,22 @@ def processed_logprobs(logits: Tensor, targets: Tensor, sampling: TokenSampling)
     a bare log_softmax + gather costs; any other temperature adds one [B,T,V] division.
     Truncation works on copies of its own positions' rows only, and top-p, which sorts the
     vocabulary, only on the rows that have top_p < 1.
+    extend_support: a target outside the kept set gets its logprob with the support extended
+    by it (for the KL, module docstring) instead of `OUTSIDE_SUPPORT`.
     """
-    return _processed(logits, targets, sampling, None)[0]
+    picked, _, extended = _processed(logits, targets, sampling, None)
+    return extended if extend_support else picked
 
 
 def processed_logprobs_and_entropy(
     logits: Tensor, targets: Tensor, sampling: TokenSampling, positions: Tensor, *, entropy_grad: bool
 ) -> tuple[Tensor, Tensor]:
-    """`processed_logprobs` and [B,T] the entropy of the processed distribution (the one the
-    token was drawn from) at `positions` ([B,T] bool, the sampled tokens), 0 elsewhere, from
-    the same log_softmax. Only those positions pay for it (an exp and a dot over the
-    vocabulary): in agent conversations most tokens are prompt. `entropy_grad`: whether the
-    entropy carries a gradient (an entropy bonus in the loss) or is only logged."""
+    """`processed_logprobs`, [B,T] the entropy of the processed distribution (the one the
+    token was drawn from) at `positions` ([B,T] bool, the sampled tokens), 0 elsewhere, and
+    `processed_logprobs(extend_support=True)` (for the KL), all from the same log_softmax.
+    Only those positions pay for the entropy (an exp and a dot over the vocabulary): in agent
+    conversations most tokens are prompt. `entropy_grad`: whether the entropy carries a
+    gradient (an entropy bonus in the loss) or is only logged."""
     return _processed(logits, targets, sampling, (positions, entropy_grad))
 
 
@@ -186,9 +201,9 @@ def _entropy(logp: Tensor, finite_logp: Tensor) -> Tensor:
 
 def _processed(
     logits: Tensor, targets: Tensor, sampling: TokenSampling, entropy: tuple[Tensor, bool] | None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """(log pi(targets), the entropy at the given positions, with a gradient or not; zeros
-    when `entropy` is None), both [B,T]."""
+    when `entropy` is None, log pi(targets) with the support extended), all [B,T]."""
     temperature = sampling.temperature
     scale = torch.where(temperature < GREEDY_BELOW, torch.ones_like(temperature), temperature)
     if bool((scale != 1.0).any()):
@@ -204,19 +219,25 @@ def _processed(
             rows = logp[plain]  # log_softmax of finite logits is finite
             entropies = entropies.index_put(plain, _entropy(rows, rows))
     if not bool(truncated.any()):
-        return picked, entropies
+        return picked, entropies, picked
     where = truncated.nonzero(as_tuple=True)
     rows = logits[where]
     with torch.no_grad():
         kept = kept_tokens(rows, sampling.top_k[where], sampling.top_p[where], sampling.min_p[where])
     own_logp = rows.masked_fill(~kept, -math.inf).log_softmax(dim=-1, dtype=torch.float32)
     own = own_logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
-    own = torch.where(torch.isinf(own), torch.full_like(own, OUTSIDE_SUPPORT), own)
+    outside = torch.isinf(own)
+    # the kept z's logsumexp, read off at the most likely token, which every truncation keeps
+    top = rows.argmax(dim=-1, keepdim=True)
+    log_kept = (rows.gather(-1, top) - own_logp.gather(-1, top)).squeeze(-1)
+    z = rows.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    extended = torch.where(outside, z - torch.logaddexp(log_kept, z), own)
+    own = torch.where(outside, torch.full_like(own, OUTSIDE_SUPPORT), own)
     with torch.set_grad_enabled(grad):
         if entropy is not None:
             values = _entropy(own_logp, own_logp.masked_fill(~kept, 0.0))
             entropies = entropies.index_put(where, torch.where(entropy[0][where], values, 0.0))
-    return picked.index_put(where, own), entropies
+    return picked.index_put(where, own), entropies, picked.index_put(where, extended)
 
 
 def kept_tokens(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

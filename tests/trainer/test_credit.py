@@ -65,3 +65,36 @@ def test_a_group_is_flat_when_every_episode_had_the_same_outcome() -> None:
         [turns(1, "a", [None], 1.0, segment=0, segments=2), turns(2, "a", [0.5], 1.0, segment=1, segments=2)],
     )
     assert is_flat(alone, by_turn=True)  # one session: nothing to compare with
+
+
+def test_extreme_turn_rewards_and_an_overflowed_penalty_give_finite_advantages() -> None:
+    # a: turn rewards 1e308, 1e308, final 1e308 -> G = 3e308, 2e308, both past the largest
+    # float: saturated at M; b: none, none, final -1e308 -> G = -1e308, -1e308. GRPO of each
+    # position's pair is +-1/sqrt(2) whatever its size.
+    group = Group("g", [turns(1, "a", [1e308, 1e308], 1e308), turns(2, "b", [None, None], -1e308)])
+    half = 0.7071067690849304  # 1/sqrt(2) in float32, as the step's tensor holds it
+    per_turn = step_advantages([group], Estimator.GRPO, None, 1.0, length=6)
+    assert per_turn.tolist() == [[0.0, half, half, 0.0, half, half], [0.0, -half, -half, 0.0, -half, -half]]
+    # a penalty that overflowed to inf (a float32 sum of KL terms) counts as the largest float:
+    # a's reward 1 - M, not -inf (and nan in the estimator); a is then the worse of the pair
+    plain = Group("g", [turns(1, "a", [None, None], 1.0), turns(2, "b", [None, None], 0.0)])
+    penalties = [[float("inf"), 0.0], [0.0, 0.0]]
+    per_episode = step_advantages([plain], Estimator.GRPO, None, None, length=6, penalties=penalties)
+    assert per_episode.tolist() == [-half, half]
+    # per turn, Dr.GRPO: G_a = 1 - M, 1 and G_b = 0, 0; position 1: -M/2 and +M/2, past float32's
+    # largest F, where the step's float32 tensor saturates; position 2: +-0.5
+    per_turn = step_advantages([plain], Estimator.DR_GRPO, None, 1.0, length=6, penalties=penalties)
+    big = torch.finfo(torch.float32).max
+    assert per_turn.tolist() == [[0.0, -big, -big, 0.0, 0.5, 0.5], [0.0, big, big, 0.0, -0.5, -0.5]]
+
+
+def test_a_group_whose_outcomes_differ_only_by_rounding_is_flat() -> None:
+    # 0.1 + 0.2 is 0.30000000000000004, one ulp from 0.3: the same outcome, as the estimators see it
+    near = Group("g", [turns(1, "a", [0.1 + 0.2, None], 1.0), turns(2, "b", [0.3, 0.0], 1.0 - 1e-12)])
+    assert is_flat(near, by_turn=True) and is_flat(near, by_turn=False)
+    assert step_advantages([near], Estimator.GRPO, None, 1.0, length=6).tolist() == [[0.0] * 6] * 2
+    apart = Group("g", [turns(1, "a", [0.3, None], 1.0), turns(2, "b", [0.3, None], 1.0 - 1e-6)])
+    assert not is_flat(apart, by_turn=False)
+    # a different number of turns is a different outcome, whatever the rewards
+    longer = Group("g", [turns(1, "a", [None], 1.0), turns(2, "b", [None, None], 1.0)])
+    assert is_flat(longer, by_turn=False) and not is_flat(longer, by_turn=True)

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from devtools import build_tiny_model
 from molt_proxy.types import Trajectory
-from tests.trainer.builders import episodes, turns
+from tests.trainer.builders import episodes, trajectory, turns
 from trainer import checkpoint, evaluation, loop
 from trainer.batch import Batch
 from trainer.buffer import Group, GroupBuffer
@@ -296,3 +296,83 @@ def float32(value: float) -> float:
 def test_drop_flat_groups_needs_a_group_relative_estimator() -> None:
     with pytest.raises(ValueError, match="group-relative"):
         TrainerConfig(proxy_url="u", model="m", out_dir="o", drop_flat_groups=True, estimator="reinforce")
+
+
+def run_one_group(
+    model_dir: Path,
+    out_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    records: list[Trajectory],
+    *,
+    perturb: bool = False,
+    **settings,
+) -> tuple[loop.Trainer, bool]:
+    """`Trainer.run` for one step's worth of `records` (a group of 2 sessions); whether the
+    step's optimizer moved the weights. `perturb`: the policy starts away from its reference."""
+    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
+    config = TrainerConfig(
+        proxy_url="http://unused",
+        model=str(model_dir),
+        out_dir=out_dir,
+        group_size=2,
+        groups_per_step=1,
+        max_steps=1,
+        lr=1e-3,
+        **settings,
+    )
+    trainer = loop.Trainer(config)
+    if perturb:
+        with torch.no_grad():
+            head = trainer.policy.model.lm_head.weight
+            head.add_(head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    trainer.run()
+    after = trainer.policy.model.state_dict()
+    return trainer, any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("loss", "perturb", "steps"),
+    [
+        (LossConfig(), False, 0),  # advantages 0 and nothing else in the loss: skipped
+        (LossConfig(entropy_coef=0.01), False, 1),  # the entropy bonus acts whatever the advantage
+        (LossConfig(kl_coef=0.1), True, 1),  # the pull towards the reference too
+    ],
+)
+def test_a_flat_group_steps_only_for_the_entropy_or_kl_terms_of_the_loss(
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loss: LossConfig,
+    perturb: bool,
+    steps: int,
+) -> None:
+    """Rewards 0.1 + 0.2 and 0.3, one ulp apart: a flat group (issue 26), advantages exactly 0.
+    Before, GRPO gave them +-1e-11 advantages and Adam a full step; and a step skipped for
+    zero advantages skipped the entropy bonus and the KL penalty with it."""
+    records = episodes(1, "near", (0.1 + 0.2, 0.3), version=0)
+    trainer, moved = run_one_group(model_dir, tmp_path, monkeypatch, records, perturb=perturb, loss=loss)
+    skipped = {"zero_advantage": 1} if steps == 0 else {}
+    assert (trainer.state.step, trainer.state.skipped_steps, moved) == (steps, skipped, steps == 1)
+    if steps:
+        [record] = read(tmp_path / "metrics.jsonl")
+        assert record["optimizer_steps"] == 1 and record["grad_norm"] > 0.0
+
+
+def test_reward_mean_and_the_baseline_average_sessions_not_segments(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session a of 2 segments rewarded 1, session b of 1 segment rewarded 0: the sessions'
+    mean is 0.5 (the segments' 2/3 was logged before). With reinforce_baseline (b = 0 before
+    the first group) the advantages are 1, 1, 0 and the baseline is seeded with 0.5."""
+    records = [
+        trajectory(1, "a", "g", 1.0, segment=0, num_segments=2, token_ids=[1, 2, 3, 4]),
+        trajectory(2, "a", "g", 1.0, segment=1, num_segments=2, token_ids=[1, 2, 5, 6]),
+        trajectory(3, "b", "g", 0.0, token_ids=[1, 2, 7, 8]),
+    ]
+    trainer, moved = run_one_group(model_dir, tmp_path, monkeypatch, records, estimator="reinforce_baseline")
+    [record] = read(tmp_path / "metrics.jsonl")
+    assert (record["reward_mean"], record["reward_max"], record["trajectories"]) == (0.5, 1.0, 3)
+    assert trainer.state.baseline == 0.5 and moved
+    assert loop.session_rewards(records) == [1.0, 0.0]

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from trainer.loss import LossConfig, count_loss_tokens, kl_estimate, loss_denominator, policy_loss
+from trainer.sampling import OUTSIDE_SUPPORT, TokenSampling, kept_tokens, processed_logprobs
 
 BASE = -1.0
 # Symmetric clipping and no staleness bound, for the tests that are about something else.
@@ -470,3 +471,101 @@ def test_mismatched_shapes_are_refused() -> None:
 def test_invalid_config_is_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         LossConfig(**fields)  # type: ignore[arg-type]
+
+
+# The KL under truncated sampling (issue 26) -----------------------------------------------------
+
+
+def truncated_setting(positions: int, vocab: int) -> TokenSampling:
+    """T = 0.7, top-p 0.9, top-k 20 on every position of one row."""
+    return TokenSampling(
+        temperature=torch.full((1, positions), 0.7),
+        top_k=torch.full((1, positions), 20),
+        top_p=torch.full((1, positions), 0.9),
+        min_p=torch.zeros(1, positions),
+        reproducible=torch.ones(1, positions, dtype=torch.bool),
+        constrained=torch.zeros(1, positions, dtype=torch.bool),
+    )
+
+
+def extended_by_hand(logits: Tensor, targets: Tensor, sampling: TokenSampling) -> list[float]:
+    """log p_t / sum over (kept set + t) of p, p = softmax(z / T) in float64, per position."""
+    scaled = logits[0] / sampling.temperature[0].unsqueeze(-1)
+    kept = kept_tokens(scaled, sampling.top_k[0], sampling.top_p[0], sampling.min_p[0])
+    out = []
+    for row, keep, t in zip(scaled.double(), kept, targets[0].tolist(), strict=True):
+        support = keep.clone()
+        support[t] = True
+        out.append(float(row[t] - row[support].logsumexp(-1)))
+    return out
+
+
+def test_the_kl_under_top_k_top_p_at_t_07_is_finite_and_compares_what_both_support() -> None:
+    """pi and ref over a 64-token vocabulary at 200 positions, ref = pi's logits plus noise,
+    sampled at T = 0.7, top-p 0.9, top-k 20: half the tokens drawn from pi's processed
+    distribution (some outside ref's kept set: log ref was the -87.3 sentinel, k2 ~ 3.7e3 with a
+    gradient 86 times normal), half from ref's (a sampler behind the trained policy: some
+    outside pi's, k3 was e^86 ~ 2e37)."""
+    generator = torch.Generator().manual_seed(0)
+    positions, vocab = 200, 64
+    pi_logits = (3.0 * torch.randn(1, positions, vocab, generator=generator)).requires_grad_()
+    ref_logits = pi_logits.detach() + torch.randn(1, positions, vocab, generator=generator)
+    sampling = truncated_setting(positions, vocab)
+    targets = torch.empty(1, positions, dtype=torch.long)
+    for half, source in ((slice(0, 100), pi_logits.detach()), (slice(100, 200), ref_logits)):
+        scaled = source[0, half] / 0.7
+        kept = kept_tokens(scaled, sampling.top_k[0, half], sampling.top_p[0, half], sampling.min_p[0, half])
+        probs = scaled.masked_fill(~kept, -math.inf).softmax(-1)
+        targets[0, half] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    # the sentinel case is there: the logprobs the PPO ratio takes
+    sentinel_pi = processed_logprobs(pi_logits, targets, sampling)
+    sentinel_ref = processed_logprobs(ref_logits, targets, sampling)
+    outside_ref = int((sentinel_ref[0, :100] == OUTSIDE_SUPPORT).sum())
+    outside_pi = int((sentinel_pi[0, 100:] == OUTSIDE_SUPPORT).sum())
+    assert (outside_ref, outside_pi) == (12, 13)
+    assert (
+        float(kl_estimate(sentinel_pi, sentinel_ref, "k3").detach().max()) > 1e36
+    )  # e^86: the issue's 2.3e36 loss
+
+    pi = processed_logprobs(pi_logits, targets, sampling, extend_support=True)
+    ref = processed_logprobs(ref_logits, targets, sampling, extend_support=True)
+    # the extended logprobs, against a float64 computation over each kept set plus the token
+    assert pi[0].tolist() == pytest.approx(extended_by_hand(pi_logits.detach(), targets, sampling), abs=2e-5)
+    assert ref[0].tolist() == pytest.approx(extended_by_hand(ref_logits, targets, sampling), abs=2e-5)
+    # where a token is inside its distribution's kept set, nothing changed
+    inside = sentinel_pi != OUTSIDE_SUPPORT
+    assert torch.equal(pi[inside], sentinel_pi[inside])
+
+    for estimator in ("k1", "k2", "k3"):
+        k = kl_estimate(pi, ref, estimator)
+        pi_logits.grad = None
+        k.mean().backward(retain_graph=True)
+        assert torch.isfinite(k).all() and torch.isfinite(pi_logits.grad).all()
+
+    # sane: as large as the KL between the untruncated tempered distributions, which no
+    # truncation can make infinite; the sentinel's k2 gradient was 20 times that
+    plain = dataclasses.replace(
+        sampling, top_k=torch.zeros_like(sampling.top_k), top_p=torch.ones(1, positions)
+    )
+    untruncated = (
+        processed_logprobs(pi_logits, targets, plain),
+        processed_logprobs(ref_logits, targets, plain),
+    )
+
+    def k3_mean_and_k2_gradient(pi: Tensor, ref: Tensor) -> tuple[float, float]:
+        """The mean k3, and the largest |d k2_t / d z| over the logits of each position."""
+        pi_logits.grad = None
+        kl_estimate(pi, ref, "k2").sum().backward(retain_graph=True)
+        return float(kl_estimate(pi, ref, "k3").detach().mean()), float(pi_logits.grad.abs().max())
+
+    assert k3_mean_and_k2_gradient(pi, ref) == (
+        pytest.approx(1.5745, abs=1e-4),
+        pytest.approx(5.642, abs=1e-3),
+    )
+    assert k3_mean_and_k2_gradient(*untruncated) == (
+        pytest.approx(1.5469, abs=1e-4),
+        pytest.approx(5.568, abs=1e-3),
+    )
+    old_k3, old_gradient = k3_mean_and_k2_gradient(sentinel_pi, sentinel_ref)
+    assert old_k3 > 1e36 and old_gradient == pytest.approx(115.14, abs=1e-2)

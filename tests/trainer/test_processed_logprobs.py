@@ -210,7 +210,7 @@ def test_entropy_is_that_of_the_processed_distribution_each_token_was_drawn_from
     )
     targets = torch.tensor([[0, 1]])
     everywhere = torch.ones(1, 2, dtype=torch.bool)
-    logprobs, entropy = processed_logprobs_and_entropy(
+    logprobs, entropy, _ = processed_logprobs_and_entropy(
         logits, targets, sampling, everywhere, entropy_grad=True
     )
     whole = -sum(p * math.log(p) for p in PROBS)  # 1.1437
@@ -220,9 +220,36 @@ def test_entropy_is_that_of_the_processed_distribution_each_token_was_drawn_from
     entropy.sum().backward()
     assert torch.isfinite(logits.grad).all()
     assert logits.grad[0, 1, 2:].tolist() == [0.0, 0.0]  # dropped tokens get no gradient
-    _, logged = processed_logprobs_and_entropy(logits, targets, sampling, everywhere, entropy_grad=False)
+    _, logged, _ = processed_logprobs_and_entropy(logits, targets, sampling, everywhere, entropy_grad=False)
     assert not logged.requires_grad and torch.allclose(logged, entropy.detach())
     for first, second in ((True, False), (False, True)):  # only at the positions asked for
         positions = torch.tensor([[first, second]])
-        _, some = processed_logprobs_and_entropy(logits, targets, sampling, positions, entropy_grad=False)
+        _, some, _ = processed_logprobs_and_entropy(logits, targets, sampling, positions, entropy_grad=False)
         assert torch.equal(some, torch.where(positions, logged, 0.0))
+
+
+def test_for_the_kl_a_token_truncation_dropped_gets_its_share_of_the_kept_set_plus_itself() -> None:
+    """`extend_support`: top_k=2 keeps 0.5 and 0.3; the dropped 0.15 gets 0.15 / (0.8 + 0.15)
+    instead of the sentinel, with a gradient; a kept token is unchanged (0.3 / 0.8)."""
+    logits = torch.tensor([[PROBS, PROBS]], dtype=torch.float32).log().requires_grad_()
+    sampling = TokenSampling(
+        temperature=torch.tensor([[1.0, 0.5]]),
+        top_k=torch.tensor([[2, 2]]),
+        top_p=torch.tensor([[1.0, 1.0]]),
+        min_p=torch.tensor([[0.0, 0.0]]),
+        reproducible=torch.ones(1, 2, dtype=torch.bool),
+        constrained=torch.zeros(1, 2, dtype=torch.bool),
+    )
+    targets = torch.tensor([[2, 3]])
+    assert processed_logprobs(logits, targets, sampling).tolist() == [[pytest.approx(OUTSIDE_SUPPORT)] * 2]
+    extended = processed_logprobs(logits, targets, sampling, extend_support=True)
+    # T = 0.5: p^2 kept 0.25 + 0.09, the dropped 0.05 -> 0.0025 / (0.34 + 0.0025)
+    assert extended.tolist() == [
+        [pytest.approx(math.log(0.15 / 0.95), abs=1e-6), pytest.approx(math.log(0.0025 / 0.3425), abs=1e-6)]
+    ]
+    inside = processed_logprobs(logits, torch.tensor([[1, 1]]), sampling, extend_support=True)
+    assert inside[0, 0].item() == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
+    extended[0, 0].backward()
+    # d/dz_v of z_t - logsumexp over {0, 1, t}: 1 - 0.15/0.95 at t, -0.5/0.95 and -0.3/0.95 at 0 and 1
+    expected = [-0.5 / 0.95, -0.3 / 0.95, 1 - 0.15 / 0.95, 0.0]
+    assert logits.grad[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
