@@ -24,9 +24,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
+from typing import Any, Literal
 
 from devtools import claude_code, codex
 from devtools.claude_code import claude_code_episodes
@@ -70,11 +71,22 @@ def _fallback_tokenizer(vocab_size: int):
     return fast
 
 
-def taught_scripts(arch: Arch) -> list[Conversation]:
+Harness = Literal["claude_code", "codex"]
+HARNESSES: tuple[Harness, ...] = ("claude_code", "codex")
+_EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {
+    "claude_code": claude_code_episodes,
+    "codex": codex_episode,
+}
+_CLIS = {"claude_code": claude_code, "codex": codex}
+
+
+def taught_scripts(arch: Arch, harnesses: Sequence[Harness] = HARNESSES) -> list[Conversation]:
     """What `build_tiny_model(teach=True)` teaches: `DEFAULT_SCRIPTS[arch]`, and for Qwen3 also
-    Claude Code's and Codex's episodes where their CLIs are installed (`devtools.claude_code`,
-    `devtools.codex`: captured from the CLIs themselves, so only then)."""
-    return DEFAULT_SCRIPTS[arch] + (claude_code_episodes() + codex_episode() if arch == "qwen3" else [])
+    the episodes of the `harnesses` whose CLIs are installed (`devtools.claude_code`,
+    `devtools.codex`: captured from the CLIs themselves, so only then). Claude Code's 19k-token
+    prompts double the teaching: an example that plays one harness learns only its episodes."""
+    captured = [e for harness in harnesses for e in _EPISODES[harness]()] if arch == "qwen3" else []
+    return DEFAULT_SCRIPTS[arch] + captured
 
 
 def build_tiny_model(
@@ -88,6 +100,7 @@ def build_tiny_model(
     fallback_vocab_size: int = 512,
     teach: bool = True,
     fallback_tokenizer: bool = False,
+    harnesses: Sequence[Harness] = HARNESSES,
 ) -> Path:
     """Write a tiny model plus tokenizer to `out_dir` and return the path.
 
@@ -95,8 +108,9 @@ def build_tiny_model(
     (`$MOLT_PROXY_TOKENIZERS` or the checkout's); with neither, a byte-level BPE is trained
     here. The `lm_head` is untied so that a trainer update moves logits directly.
     With `teach`, a model with a real tokenizer then learns `DEFAULT_SCRIPTS[arch]` (pass
-    `teach=False` for a `tokenizer_dir` whose template cannot print that script); the
-    fallback tokenizer's template knows no tools or reasoning, so that model stays random.
+    `teach=False` for a `tokenizer_dir` whose template cannot print that script) and the
+    episodes of `harnesses` (`taught_scripts`); the fallback tokenizer's template knows no
+    tools or reasoning, so that model stays random.
     """
     out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
@@ -109,6 +123,7 @@ def build_tiny_model(
         seed=seed,
         fallback_vocab_size=fallback_vocab_size,
         teach=teach and source is not None,
+        harnesses=sorted(harnesses) if arch == "qwen3" else [],
     )
     return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
 
@@ -123,6 +138,7 @@ def _build(
     seed: int,
     fallback_vocab_size: int,
     teach: bool,
+    harnesses: list[Harness],
 ) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -162,7 +178,7 @@ def _build(
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach:
-        teach_tiny_model(out, taught_scripts(arch), seed=seed)
+        teach_tiny_model(out, taught_scripts(arch, harnesses), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(
@@ -174,7 +190,7 @@ def _build(
                 shutil.copyfile(source / name, out / name)
 
 
-def _build_key(args: dict[str, object], source: Path | None) -> str:
+def _build_key(args: dict[str, Any], source: Path | None) -> str:
     """A digest of everything a build depends on (the module docstring lists it)."""
     import torch
     import transformers
@@ -186,10 +202,9 @@ def _build_key(args: dict[str, object], source: Path | None) -> str:
         files += sorted(f for f in source.iterdir() if f.is_file())
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    if args["teach"] and args["arch"] == "qwen3":
-        clis = [str(cli.CLI.exists() and cli.CLI_VERSION) for cli in (claude_code, codex)]
-        if any(cli != "False" for cli in clis):
-            digest.update(f"{clis} {date.today().isoformat()}".encode())
+    installed = [f"{h} {_CLIS[h].CLI_VERSION}" for h in args["harnesses"] if _CLIS[h].CLI.exists()]
+    if args["teach"] and installed:  # their captures are taught: the CLIs, the day they run on
+        digest.update(f"{installed} {date.today().isoformat()}".encode())
     return digest.hexdigest()[:24]
 
 

@@ -7,11 +7,12 @@ and stops both when the agent is done, exactly as `quickstart.py` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from devtools import build_tiny_model
+from devtools.tinymodel import Harness
 from molt_proxy.launcher import ProxyServer
 
 # The agents' side of the script the tiny model learned (`weather_episode("hermes")`):
@@ -26,14 +27,13 @@ def get_weather(city: str) -> str:
     return WEATHER.get(city, "Unknown city.")
 
 
-def tiny_model(
-    model: Path = Path("runs/quickstart/tiny-qwen3"), build: Callable[[Path], Path] | None = None
-) -> Path:
+def tiny_model(model: Path = Path("runs/quickstart/tiny-qwen3"), harnesses: Sequence[Harness] = ()) -> Path:
     """The tiny model at `model` (by default the one `quickstart.py` builds), built on first
-    use (about a minute) with `build` (by default the weather script, `DEFAULT_SCRIPTS`)."""
+    use (about a minute; cached under `~/.cache/molt-proxy`): it learns the scripts of
+    `DEFAULT_SCRIPTS` and the episodes of `harnesses` (Claude Code's, Codex's)."""
     if not (model / "model.safetensors").exists():
-        print("building a tiny Qwen3 model that knows the weather script ...")
-        (build or (lambda out: build_tiny_model(out, "qwen3")))(model)
+        print("building a tiny Qwen3 model that knows its scripts (about a minute the first time) ...")
+        build_tiny_model(model, "qwen3", harnesses=harnesses)
     return model
 
 

@@ -27,7 +27,7 @@ def main() -> None:
     model = RUN / "tiny-qwen3"
     if not (model / "model.safetensors").exists():
         print("building a tiny Qwen3 model that knows the weather script ...")
-        build_tiny_model(model, "qwen3")
+        build_tiny_model(model, "qwen3", harnesses=())  # the harness CLIs' episodes: their examples
     db = RUN / "molt-proxy.db"
     for stale in [*RUN.glob("molt-proxy.db*"), *RUN.glob("molt-proxy.log")]:
         stale.unlink()
