@@ -144,19 +144,29 @@ script (408 reply tokens), 32-token chunks took a step from 1.45 to 1.18 s, syst
 faults) from 0.54 to 0.19 s."""
 
 
-def _token_logprobs(model: Any, batch: _Batch) -> torch.Tensor:
-    """[N] log-probabilities of the reply tokens, full-vocabulary softmax at temperature 1."""
+def _head_logprobs(
+    model: Any, hidden: torch.Tensor, wanted: torch.Tensor, vocab: torch.Tensor | None
+) -> torch.Tensor:
+    """[N] log p(wanted) from the hidden states [N, H] at temperature 1: over the whole
+    vocabulary, or over `vocab` only (sorted ids, `wanted` among them; `_Head`)."""
     import torch
 
-    hidden = model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
-    # The LM head only where it is trained: vocab-wide logits at every prompt position
-    # would cost more than the whole rest of the model. In chunks of `_HEAD_ROWS` tokens.
-    chunks = zip(
-        hidden[batch.rows, batch.cols].split(_HEAD_ROWS), batch.wanted.split(_HEAD_ROWS), strict=True
-    )
+    if vocab is not None:
+        logits = hidden @ model.lm_head.weight[vocab].T
+        return -torch.nn.functional.cross_entropy(logits, torch.searchsorted(vocab, wanted), reduction="none")
+    # In chunks of `_HEAD_ROWS` tokens.
+    chunks = zip(hidden.split(_HEAD_ROWS), wanted.split(_HEAD_ROWS), strict=True)
     return torch.cat(
         [-torch.nn.functional.cross_entropy(model.lm_head(h), w, reduction="none") for h, w in chunks]
     )
+
+
+def _token_logprobs(model: Any, batch: _Batch, vocab: torch.Tensor | None) -> torch.Tensor:
+    """[N] log-probabilities of the reply tokens (`_head_logprobs`)."""
+    hidden = model.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
+    # The LM head only where it is trained: vocab-wide logits at every prompt position
+    # would cost more than the whole rest of the model.
+    return _head_logprobs(model, hidden[batch.rows, batch.cols], batch.wanted, vocab)
 
 
 def reach(model: Any) -> int | None:
@@ -166,7 +176,7 @@ def reach(model: Any) -> int | None:
     return window * model.config.num_hidden_layers if window else None
 
 
-def _row_logprobs(model: Any, row: _Row) -> torch.Tensor:
+def _row_logprobs(model: Any, row: _Row, vocab: torch.Tensor | None) -> torch.Tensor:
     """[len(reply)] log-probabilities of one row's reply tokens, unpadded, after the prompt
     tokens the reply can depend on (`reach`): a 19k-token prompt costs what 2k do."""
     import torch
@@ -174,8 +184,7 @@ def _row_logprobs(model: Any, row: _Row) -> torch.Tensor:
     prompt = row.prompt[-reach(model) :] if reach(model) else row.prompt
     ids = torch.tensor([prompt + row.reply])
     hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]
-    logits = model.lm_head(hidden)
-    return -torch.nn.functional.cross_entropy(logits, torch.tensor(row.reply), reduction="none")
+    return _head_logprobs(model, hidden, torch.tensor(row.reply), vocab)
 
 
 def _whole_prompt_prob(model: Any, row: _Row) -> float:
@@ -199,6 +208,21 @@ def _whole_prompt_prob(model: Any, row: _Row) -> float:
     return logp.exp().item()
 
 
+_NEGATIVES = 4096
+"""Tokens outside the script that the first phase's softmax includes, drawn once per build: the
+taught replies must win over them too, so the whole vocabulary's softmax mostly agrees."""
+
+
+def _head_vocab(days: list[_Day], vocab_size: int, seed: int) -> torch.Tensor:
+    """[V'] sorted ids: every id of the script (prompts and replies, every day) and
+    `_NEGATIVES` others drawn with `seed`."""
+    import torch
+
+    ids = torch.tensor(sorted({i for day in days for row in day.rows for i in row.prompt + row.reply}))
+    draw = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[: _NEGATIVES + len(ids)]
+    return torch.cat([ids, draw[~torch.isin(draw, ids)][:_NEGATIVES]]).sort().values
+
+
 def _reply_probs(token_logp: torch.Tensor, batch: _Batch) -> torch.Tensor:
     """[R] probability that temperature-1 sampling writes each whole reply, EOS included."""
     import torch
@@ -206,16 +230,19 @@ def _reply_probs(token_logp: torch.Tensor, batch: _Batch) -> torch.Tensor:
     return torch.zeros(len(batch.ids)).index_add(0, batch.rows, token_logp.detach()).exp()
 
 
-def _step_logprobs(model: Any, day: _Day) -> tuple[torch.Tensor, torch.Tensor]:
-    """One teaching step's reply-token log-probabilities, and each reply's probability."""
+def _step_logprobs(
+    model: Any, day: _Day, vocab: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teaching step's reply-token log-probabilities, and each reply's probability: over
+    the whole vocabulary, or over `vocab` only."""
     import torch
 
     token_logps, probs = [], []
     if day.batch is not None:
-        token_logps.append(_token_logprobs(model, day.batch))
+        token_logps.append(_token_logprobs(model, day.batch, vocab))
         probs.append(_reply_probs(token_logps[-1], day.batch))
     for row in day.long:
-        token_logps.append(_row_logprobs(model, row))
+        token_logps.append(_row_logprobs(model, row, vocab))
         probs.append(token_logps[-1].detach().sum().exp()[None])
     return torch.cat(token_logps), torch.cat(probs)
 
@@ -287,11 +314,19 @@ def _teach(
     # A linear warm-up over 40 steps: at full `lr` from the start the random model overshoots
     # and oscillates (Llama did); warmed up, it takes the high rate that keeps the run short.
     warmup = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / 40))
+    # First over the script's own tokens and a fixed sample of others (`_head_vocab`): the
+    # vocabulary-wide LM head is three quarters of a step's time. Then over the whole
+    # vocabulary, until every reply is written there too: usually at once.
+    vocab: torch.Tensor | None = _head_vocab(days, model.config.vocab_size, seed)
     streak = 0
     for step in range(steps):
         day = days[step % len(days)]
-        token_logp, probs = _step_logprobs(model, day)
+        token_logp, probs = _step_logprobs(model, day, vocab)
         streak = streak + 1 if probs.min() >= stop_prob else 0
+        if streak == len(days) and vocab is not None:
+            vocab, streak = None, 0
+            token_logp, probs = _step_logprobs(model, day)
+            streak = 1 if probs.min() >= stop_prob else 0
         if streak == len(days):
             break
         optim.zero_grad()
