@@ -202,6 +202,15 @@ def loop_stall(url: str, path: str, body: bytes, headers: dict[str, str]) -> tup
     return max(gaps), status
 
 
+def idle_stall(url: str, seconds: float) -> tuple[float, int]:
+    """The slowest `/health` answer over `seconds` with nothing else sent: the machine's own
+    noise (other processes on the same cores), the floor every stall here stands on."""
+    stop = threading.Event()
+    timer = threading.Timer(seconds, stop.set)
+    timer.start()
+    return max(health_gaps(url, stop)), 200
+
+
 def advantages_body() -> bytes:
     entries = [{"trajectory_id": f"adv{i}:0", "advantage": 0.5} for i in range(LOOP_ADVANTAGES)]
     return json.dumps({"step": 1, "version": 1, "trajectories": entries}).encode()
@@ -226,6 +235,7 @@ def loop_once(model: Path, mock_url: str, code: Path, label: str) -> dict[str, t
         probe(proxy.url, f"{label}-warm", count=5)
         _stored_trajectories(db)
         return {
+            "nothing (baseline)": idle_stall(proxy.url, 3.0),
             "first chat": loop_stall(proxy.url, "/v1/chat/completions", chat, {"x-session-id": f"{label}-1"}),
             "second chat": loop_stall(
                 proxy.url, "/v1/chat/completions", chat, {"x-session-id": f"{label}-2"}
@@ -254,7 +264,7 @@ def event_loop(model: Path, text: str, ids: list[int], repeats: int) -> tuple[st
                 runs[name].append(loop_once(model, mock.url, code, f"{name}-{rep}"))
                 print(f"  event loop {name} rep {rep}: {runs[name][-1]}", flush=True)
     rows = []
-    for case in ("first chat", "second chat", "advantages"):
+    for case in ("nothing (baseline)", "first chat", "second chat", "advantages"):
         cells = [case]
         for name in ("before", "after"):
             stalls = [run[case][0] for run in runs[name]]
@@ -265,7 +275,8 @@ def event_loop(model: Path, text: str, ids: list[int], repeats: int) -> tuple[st
     header += ["after: status", "after: stall p50 ms", "after: stall max ms"]
     note = (
         f"The event loop itself (issue 26, item 8): `GET /health` every 5 ms while one request is in "
-        f"flight; the stall is the slowest /health answer. A fresh proxy per run: its first "
+        f"flight; the stall is the slowest /health answer. A fresh proxy per run: 3 s with nothing "
+        f"in flight (the machine's own noise), its first "
         f"~{len(large_body(LOOP_CHAT_MB)) / 1e6:.1f} MB chat request, a second one, then a "
         f"{LOOP_ADVANTAGES:,}-entry `POST /v1/admin/advantages` ({len(advantages_body()) / 1e6:.1f} MB; "
         "its trajectories written into the store first, so it is checked and stored whole). "
