@@ -129,9 +129,12 @@ def build_app(
         body = await request.json()
         generated.append(body)
         asked = body["sampling_params"].get("logprobs") or 0
-        if body.get("stream"):
-            return await sse(request, token_chunks(asked) if asked else streamed_tokens)
         prompt = body["token_ids"]
+        if body.get("stream"):
+            chunks = token_chunks(asked) if asked else streamed_tokens
+            if body.get("return_token_ids"):  # as vLLM: on the first chunk only
+                chunks = [{**chunks[0], "prompt_token_ids": prompt}, *chunks[1:]]
+            return await sse(request, chunks)
         if script:
             answer = _scripted(script.pop(0), choice["weight_versions"])
         else:

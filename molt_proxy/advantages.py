@@ -14,12 +14,15 @@ turn of the trajectory, null for a turn that had no sampled token), not both.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
+import pydantic
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from molt_proxy import auth, store_advantages
+from molt_proxy.completions import OFF_LOOP_BYTES
 from molt_proxy.errors import BadRequest
 from molt_proxy.proxy import Proxy
 from molt_proxy.wire.control import request_body, validated
@@ -43,14 +46,57 @@ class AdvantagesBody(BaseModel):
 
     @classmethod
     def decode(cls, body: bytes) -> AdvantagesBody:
-        decoded = validated(cls, decode_json_object(body))
-        for index, entry in enumerate(decoded.trajectories):
+        """The body, validated as this model would validate it, its entries a slice at a time
+        (`CHUNK`); the first error is the one the whole model would report first."""
+        header = validated(_Header, decode_json_object(body))
+        entries: list[Entry] = []
+        for start in range(0, len(header.trajectories), CHUNK):
+            entries += _entries(header.trajectories[start : start + CHUNK], start)
+        for index, entry in enumerate(entries):
             if (entry.advantage is None) == (entry.turn_advantages is None):
                 raise BadRequest(
                     "give exactly one of 'advantage' and 'turn_advantages'",
                     param=f"trajectories.{index}.advantage",
                 )
-        return decoded
+        return cls.model_construct(step=header.step, version=header.version, trajectories=entries)
+
+
+CHUNK = 2_000
+"""Entries validated per pydantic call. pydantic holds the GIL through a call (0.5 s for the
+87k entries of a large step on a loaded machine), so even in a worker thread one call for all
+of them would stall the event loop; between slices the loop takes the GIL back."""
+
+
+class _Header(BaseModel):
+    """`AdvantagesBody` with its entries left unvalidated (`_entries` validates them)."""
+
+    step: int = Field(strict=True, ge=0, le=INT64_MAX)
+    version: int = Field(strict=True, ge=0, le=INT64_MAX)
+    trajectories: list[Any] = Field(min_length=1, max_length=MAX_TRAJECTORIES)
+
+
+_ENTRIES = TypeAdapter(list[Entry])
+
+
+def _entries(items: list[Any], start: int) -> list[Entry]:
+    """`items`, the entries from index `start` on, validated; an error names its index in the
+    whole body, as `validated` names a field."""
+    try:
+        return _ENTRIES.validate_python(items)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        index, *rest = error["loc"]
+        param = ".".join(str(part) for part in ("trajectories", start + int(index), *rest))
+        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
+
+
+def _posted(body: bytes) -> tuple[int, int, list[store_advantages.Posted]]:
+    """The step, version and entries of a post, as the store takes them."""
+    decoded = AdvantagesBody.decode(body)
+    entries = [
+        store_advantages.Posted(e.trajectory_id, e.advantage, e.turn_advantages) for e in decoded.trajectories
+    ]
+    return decoded.step, decoded.version, entries
 
 
 _NUMBER = {"type": "number"}
@@ -84,9 +130,10 @@ async def post_advantages(request: Request) -> dict[str, Any]:
     """Store what the trainer trained each named trajectory with; all or nothing."""
     proxy: Proxy = request.app.state.proxy
     proxy.principal(request, auth.ADMIN_ONLY)
-    body = AdvantagesBody.decode(await request.body())
-    entries = [
-        store_advantages.Posted(e.trajectory_id, e.advantage, e.turn_advantages) for e in body.trajectories
-    ]
-    await store_advantages.save(proxy.store, body.step, body.version, entries)
-    return {"stored": len(entries), "step": body.step, "version": body.version}
+    body = await request.body()
+    # A trainer step's post is large (87k entries: 4 MB): decoded in a worker thread, as a
+    # large chat request is (`completions.OFF_LOOP_BYTES`), so other clients are not held up.
+    posted = _posted(body) if len(body) < OFF_LOOP_BYTES else await asyncio.to_thread(_posted, body)
+    step, version, entries = posted
+    await store_advantages.save(proxy.store, step, version, entries)
+    return {"stored": len(entries), "step": step, "version": version}

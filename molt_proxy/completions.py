@@ -108,8 +108,7 @@ class Completions:
             generation = await self.replicas.generate(
                 turn.session.id, plan.ids, prepared.fields, return_prompt_ids=self.verify_prompt_ids
             )
-            if self.verify_prompt_ids and generation.prompt_token_ids != plan.ids:
-                raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
+            self._verify(plan.ids, generation.prompt_token_ids)
             message = self.parser.parse(
                 generation.token_ids, generation.finish_reason, conversation.parser_request, plan.ids
             )
@@ -138,10 +137,15 @@ class Completions:
             generation: Generation | None = None
             started = False
             # Closed here, not when collected: the replica's in-flight slot is freed at once.
-            items = self.replicas.stream(turn.session.id, prepared.plan.ids, prepared.fields)
+            items = self.replicas.stream(
+                turn.session.id, prepared.plan.ids, prepared.fields, return_prompt_ids=self.verify_prompt_ids
+            )
             async with aclosing(items):
                 async for item in items:
                     if not started:
+                        # vLLM echoes the prompt on its first chunk: checked before any event,
+                        # so a mismatch is a plain error response, as a whole reply's is.
+                        self._verify(prepared.plan.ids, item.prompt_token_ids)
                         started = True
                         prompt_tokens = len(prepared.plan.ids)
                         yield Opened(
@@ -162,6 +166,12 @@ class Completions:
                 turn, prepared, generation, reply_stream.reply, completion_id, created, shown
             )
             yield Closed(reply, last)
+
+    def _verify(self, sent: list[int], echoed: list[int] | None) -> None:
+        """With `--verify-prompt-ids`, the prompt ids vLLM says it read must be the ids sent:
+        a turn is recorded only on the prompt the model saw. Whole and streamed turns alike."""
+        if self.verify_prompt_ids and echoed != sent:
+            raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
 
     async def count(self, caller: Caller, conversation: Conversation, body: bytes) -> int:
         """How many prompt ids a turn for this request would send now: the same render and

@@ -47,6 +47,9 @@ class Proxy:
         self.keys = auth.Keys(settings.admin_key, settings.agent_keys)
         self.store = Store(settings.db_path)
         self.tokenizer = Tokenizer.load(settings.model)
+        # Read once now: it walks the vocabulary holding the GIL (~0.1 s), which the first
+        # large request would otherwise do in its worker thread, stalling every other client.
+        self.tokenizer.max_token_bytes  # noqa: B018
         self.replicas = Replicas(
             upstreams
             or [

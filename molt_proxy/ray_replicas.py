@@ -188,9 +188,9 @@ class RayReplica:
         return await self._upstream.generate(prompt_ids, sampling, return_prompt_ids=return_prompt_ids)
 
     def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any]
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
-        return self._upstream.stream(prompt_ids, sampling)
+        return self._upstream.stream(prompt_ids, sampling, return_prompt_ids=return_prompt_ids)
 
     async def models(self) -> list[dict[str, Any]]:
         return await self._upstream.models()

@@ -68,10 +68,11 @@ class UpstreamClient(Protocol):
     ) -> Generation: ...
 
     def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any]
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """Each `TokenDelta` as it is sampled, then the whole `Generation`. A generator, so that
-        closing it early (`aclose`) ends the request on the server."""
+        closing it early (`aclose`) ends the request on the server. `return_prompt_ids`: the
+        first delta and the `Generation` carry the prompt ids the server read."""
         ...
 
     async def models(self) -> list[dict[str, Any]]: ...
@@ -223,10 +224,18 @@ class Replicas:
         return generation
 
     def stream(
-        self, affinity: str, prompt_ids: list[int], sampling: dict[str, Any]
+        self,
+        affinity: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        *,
+        return_prompt_ids: bool = False,
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """`UpstreamClient.stream` on the affinity's replica, failing over as `_route` does."""
-        return self._route(affinity, lambda upstream: upstream.stream(prompt_ids, sampling))
+        return self._route(
+            affinity,
+            lambda upstream: upstream.stream(prompt_ids, sampling, return_prompt_ids=return_prompt_ids),
+        )
 
     async def _route(
         self, affinity: str, call: Callable[[UpstreamClient], AsyncGenerator[T, None]]

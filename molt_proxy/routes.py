@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from molt_proxy import auth
 from molt_proxy.completions import OFF_LOOP_BYTES
 from molt_proxy.errors import BadRequest
+from molt_proxy.ids import check_group_id, check_session_id
 from molt_proxy.proxy import Proxy
 from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import request_hash, unknown_session
@@ -122,13 +123,16 @@ def _caller(
     path_session: str | None,
 ) -> Caller:
     """The session hints of a chat request: path, header, body (`Conversation.session_id`),
-    key, group."""
+    key, group. Every id named is checked (`ids.py`), the ones a nearer hint overrides too: a
+    malformed id is the client's mistake wherever it is. An empty header is no header."""
     key = auth.presented_key(request.headers)
-    session_id = path_session or request.headers.get("x-session-id")
+    header = check_session_id(request.headers.get("x-session-id") or None, "X-Session-Id")
+    check_session_id(body_session, "metadata.session_id")
+    session_id = check_session_id(path_session, "session_id") or header
     if session_id is None and not (principal is auth.OPEN and key and proxy.sessions.by_key(key)):
         session_id = body_session
     session_id = auth.chat_session(principal, session_id)
-    group_id = request.headers.get("x-group-id") or None
+    group_id = check_group_id(request.headers.get("x-group-id") or None, "X-Group-Id")
     # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.
     open_key = key if session_id is None and principal is auth.OPEN else None
     return Caller(session_id, open_key, group_id, principal)
@@ -137,9 +141,14 @@ def _caller(
 def _attempt(request: Request, body: bytes) -> Attempt:
     """Whether a request says it retries one: its `Idempotency-Key`, and the retry count the
     OpenAI and Anthropic SDKs send on every request (`x-stainless-retry-count`, 0 on the first
-    try, 1 on the first retry). Any API format's route reads them here."""
+    try, 1 on the first retry). Any API format's route reads them here.
+
+    The count is a hint: one that is not a decimal number is ignored (None: the client does
+    not say). A number is a retry when any of its digits is not 0, read without `int()`, which
+    refuses more than 4,300 digits: an SDK's count never has many, and nothing here needs its
+    value."""
     count = request.headers.get("x-stainless-retry-count", "")
-    retry = int(count) > 0 if count.isascii() and count.isdigit() else None
+    retry = count.lstrip("0") != "" if count.isascii() and count.isdigit() else None
     return Attempt(request_hash(body), request.headers.get("idempotency-key") or None, retry)
 
 
@@ -250,6 +259,15 @@ async def root() -> dict[str, Any]:
     return {"status": "ok", "service": "molt-proxy"}
 
 
+@router.get("/s/{session_id}", include_in_schema=False)
+@router.head("/s/{session_id}", include_in_schema=False)
+async def session_root(session_id: str) -> dict[str, Any]:
+    """Claude Code probes its base URL on every run, and with a session in its path
+    (`ANTHROPIC_BASE_URL=http://proxy/s/<id>`) that is `/s/<id>`: answered as `/` is."""
+    check_session_id(session_id, "session_id")
+    return await root()
+
+
 @router.get("/v1/models")
 @router.get("/s/{session_id}/v1/models")
 async def models(request: Request) -> dict[str, Any]:
@@ -264,6 +282,8 @@ async def create_session(request: Request) -> dict[str, Any]:
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CREATE)
     session_id, group_id = decode_session_body(await request.body())
+    check_session_id(session_id, "session_id")
+    check_group_id(group_id, "group_id")
     key = auth.new_session_key()
     session = await proxy.sessions.create(
         session_id, group_id, key_hash=auth.key_id(key), owner=principal.owner

@@ -168,7 +168,7 @@ def _append(
     `echo_replacing`), extends the segment's echo bytes."""
     prompt_start = len(segment.token_ids)
     segment.token_ids.extend(new_ids)
-    segment.add_versions([NOT_SAMPLED] * len(new_ids))
+    segment.add_run(len(new_ids), NOT_SAMPLED)
     completion_start = len(segment.token_ids)
     segment.token_ids.extend(generation.token_ids)
     segment.sampled_logprobs.extend(generation.logprobs)

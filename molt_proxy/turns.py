@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from molt_proxy.auth import SESSION_KEY_PREFIX, key_id, may_use
+from molt_proxy.auth import SESSION_KEY_PREFIX, Principal, key_id, may_use
 from molt_proxy.echo import Find
 from molt_proxy.errors import Conflict, Forbidden, Unauthorized
 from molt_proxy.session import Attempt, Caller, Claim, OpenTurn, Session
@@ -32,6 +32,12 @@ from molt_proxy.types import Segment
 def continued_chains(segments: list[Segment], rendered: bytes) -> frozenset[int]:
     """The indices of the chains `rendered` continues: the turn appends to one of them."""
     return frozenset(segment.index for _, segment in continued(segments, rendered))
+
+
+def _check_use(principal: Principal, session: Session) -> None:
+    """Forbidden if `principal` may not chat on `session`: a turn and a token count alike."""
+    if not may_use(principal, session.id, session.owner):
+        raise Forbidden(f"session {session.id!r} belongs to another key", param="session_id")
 
 
 class Turns:
@@ -70,8 +76,7 @@ class Turns:
                 session = await self.sessions.create(group_id=group_id, owner=principal.owner, inferred=True)
         else:
             session = await self.sessions.open_or_create(session_id, group_id, principal.owner)
-        if not may_use(principal, session.id, session.owner):
-            raise Forbidden(f"session {session.id!r} belongs to another key", param="session_id")
+        _check_use(principal, session)
         if group_id is not None and group_id != session.group_id:
             raise Conflict(
                 f"session {session.id!r} is in group {session.group_id!r}, not {group_id!r}",
@@ -169,11 +174,14 @@ class Turns:
         """The chains of the session a turn for `caller` would join, read without waiting,
         claiming or creating anything (a token count): the named session's (or its key's),
         else those of the inferred session of its owner one of whose chains `rendered`
-        continues furthest. Empty: a new session."""
+        continues furthest. Empty: a new session. A session `caller` may not use is refused as
+        a turn on it is (403), not counted as a new one: the count would read its history."""
         named = self.named(caller)
         if named is not None:
             session = self.sessions.find(named)
-            visible = session is not None and may_use(caller.principal, session.id, session.owner)
-            return list(session.segments) if session is not None and visible else []
+            if session is None:
+                return []
+            _check_use(caller.principal, session)  # refused as a turn on it would be
+            return list(session.segments)
         candidates = self._furthest(rendered, self._owned(caller.principal.owner))
         return list(candidates[0].segments) if candidates else []

@@ -155,6 +155,12 @@ class Segment:
             versions += [version] * (end - start)
         return versions
 
+    def add_run(self, count: int, version: int) -> None:
+        """Append the version of `count` tokens just appended, all of one version (a prompt's
+        ids, NOT_SAMPLED): one run, with no loop over a prompt of a million ids on the loop."""
+        if count and (not self.version_runs or self.version_runs[-1][1] != version):
+            self.version_runs.append((len(self.token_ids) - count, version))
+
     def add_versions(self, versions: list[int]) -> None:
         """Append the weight versions of the tokens just appended (`versions` ends at the end)."""
         start = len(self.token_ids) - len(versions)

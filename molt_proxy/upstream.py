@@ -156,16 +156,22 @@ class Upstream:
         return _labelled(generation, adapter)
 
     async def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any]
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """Yield each `TokenDelta` as vLLM samples it, then the whole `Generation`.
 
         vLLM sends the weight-version spans on the last chunk only, so versions are known
         once the stream ends. Leaving the loop early closes the connection, and vLLM aborts
         the request. A stream that ends without a finish reason was cut short: the server
-        went away, so it is `UpstreamUnavailable`.
+        went away, so it is `UpstreamUnavailable`. `return_prompt_ids`: vLLM echoes the prompt
+        ids it read on its first chunk; they are on the first delta and on the `Generation`.
         """
-        body = {"token_ids": prompt_ids, "sampling_params": top_asked(sampling), "stream": True}
+        body = {
+            "token_ids": prompt_ids,
+            "sampling_params": top_asked(sampling),
+            "stream": True,
+            "return_token_ids": return_prompt_ids,
+        }
         adapter = self._adapter(body)
         k = sampling.get("logprobs") or 0
         ids: list[int] = []
@@ -173,9 +179,15 @@ class Upstream:
         top: list[list[tuple[int, float]]] = []
         spans: list[dict[str, Any]] | None = None
         finish_reason: str | None = None
+        echoed: list[int] | None = None
+        unsent: list[int] | None = None
+        """The echoed prompt ids until a delta has carried them."""
         async with self._send("POST", _GENERATE, body) as resp:
             async for line in resp.content:
-                for choice in _streamed_choices(line):
+                chunk = _streamed_chunk(line)
+                if echoed is None and chunk.get("prompt_token_ids") is not None:
+                    echoed = unsent = chunk["prompt_token_ids"]
+                for choice in chunk.get("choices") or []:
                     # a chunk's ids only: the versions' spans come on the last chunk, for all
                     delta_ids, delta_logprobs = parse_tokens(choice)
                     spans = choice.get("weight_versions") or spans
@@ -185,12 +197,18 @@ class Upstream:
                         ids += delta_ids
                         logprobs += delta_logprobs
                         top += delta_top or []
-                        yield TokenDelta(delta_ids, delta_logprobs, delta_top)
+                        yield TokenDelta(delta_ids, delta_logprobs, delta_top, unsent)
+                        unsent = None
         if finish_reason is None:
             raise UpstreamUnavailable(f"vLLM at {self.base_url} ended the stream before it finished")
         yield _labelled(
             Generation(
-                ids, logprobs, parse_versions(spans, len(ids)), finish_reason, top_logprobs=top if k else None
+                ids,
+                logprobs,
+                parse_versions(spans, len(ids)),
+                finish_reason,
+                prompt_token_ids=echoed,
+                top_logprobs=top if k else None,
             ),
             adapter,
         )
@@ -324,15 +342,15 @@ def _decode(data: bytes) -> Any:
         raise UpstreamError(f"vLLM answered something that is not JSON: {data[:200]!r}") from exc
 
 
-def _streamed_choices(line: bytes) -> list[dict[str, Any]]:
-    """The choices of one server-sent-events line (none for a comment, a blank or `[DONE]`);
+def _streamed_chunk(line: bytes) -> dict[str, Any]:
+    """The chunk of one server-sent-events line (empty for a comment, a blank or `[DONE]`);
     an error chunk raises the error for its code."""
     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-        return []
+        return {}
     chunk = _decode(line[6:])
     if "error" in chunk:
         raise _status_error(chunk["error"].get("code") or 500, json.dumps(chunk))
-    return chunk.get("choices") or []
+    return chunk
 
 
 def _status_error(status: int, text: str) -> Exception:

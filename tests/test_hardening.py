@@ -17,6 +17,8 @@ import httpx
 import pytest
 from starlette.requests import ClientDisconnect
 
+from molt_proxy import advantages
+from molt_proxy.completions import OFF_LOOP_BYTES
 from molt_proxy.routes import EventStream
 from molt_proxy.tokenizer import Tokenizer
 from tests.inprocess import MOCK_MAX_MODEL_LEN, chat_body, inprocess_proxy, qwen3_tokenizer_dir
@@ -279,6 +281,51 @@ def test_a_small_request_completes_while_a_large_one_renders_or_tokenizes(client
         release.set()
         sender.join(timeout=120)
     assert large["response"].status_code == 200, large["response"].text
+
+
+def test_health_answers_while_a_large_advantages_post_is_validated(client, monkeypatch):
+    """A trainer step's post (87k entries, 4 MB) is validated in a worker thread: held there,
+    `/health` still answers. On the event loop the hold would block `/health` until it ends."""
+    held, release = threading.Event(), threading.Event()
+    original = advantages._entries
+
+    def holding(items: list[Any], start: int) -> list[advantages.Entry]:
+        held.set()
+        release.wait(timeout=120)
+        return original(items, start)
+
+    monkeypatch.setattr(advantages, "_entries", holding)
+    entries = [{"trajectory_id": f"nowhere{i}:0", "advantage": 0.5} for i in range(2000)]
+    body = json.dumps({"step": 1, "version": 1, "trajectories": entries}).encode()
+    assert len(body) >= OFF_LOOP_BYTES
+    posted: dict[str, httpx.Response] = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=str(client.base_url), timeout=180) as other:
+            posted["response"] = _raw(other, "/v1/admin/advantages", body)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        assert held.wait(timeout=60), "the post never reached validation"
+        health = httpx.get(f"{client.base_url}/health", timeout=30)
+        assert health.status_code == 200
+        assert not release.is_set() and sender.is_alive()  # the post was still held
+    finally:
+        release.set()
+        sender.join(timeout=120)
+    response = posted["response"]
+    assert (response.status_code, response.json()) == (
+        404,
+        {
+            "error": {
+                "message": "no trajectory 'nowhere0:0'",
+                "type": "not_found_error",
+                "param": "trajectories.0.trajectory_id",
+                "code": None,
+            }
+        },
+    )
 
 
 def test_a_large_request_records_the_exact_ids_of_its_render(client):

@@ -74,7 +74,7 @@ class FakeUpstream:
         return GENERATION
 
     async def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any]
+        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         self._check()
         self.prompts.append(list(prompt_ids))

@@ -38,6 +38,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pydantic
 from vllm.entrypoints.anthropic.protocol import (
     AnthropicContentBlock,
@@ -49,6 +50,7 @@ from vllm.exceptions import VLLMValidationError
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
+from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.jsonbody import decode_json_object
 from molt_proxy.wire.openai import check_sampling, sampling_fields
 
@@ -384,7 +386,15 @@ def _with_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
 
 def metadata_session(metadata: Any) -> str | None:
     """The session a request names: `metadata.session_id`, else the `session_id` inside
-    Claude Code's `metadata.user_id` (a JSON string), which its sub-agents share."""
+    Claude Code's `metadata.user_id` (a JSON string), which its sub-agents share.
+
+    `user_id` is Anthropic's opaque end-user id: any string is a valid one there, and a client
+    that puts something else in it never asked the proxy to read it. So reading it is a hint,
+    never a refusal: JSON that does not parse, nests past orjson's 1,024 levels, holds a
+    5,000-digit number or a lone surrogate, or a `session_id` that is not a valid id
+    (`ids.py`), is ignored, and the request is inferred as one without the hint. orjson, not
+    `json`: it refuses lone surrogates and deep nesting itself, without recursion, and never
+    calls `int()` on a long literal (Python's refuses past 4,300 digits)."""
     if not isinstance(metadata, dict):
         return None
     named = metadata.get("session_id")
@@ -393,8 +403,11 @@ def metadata_session(metadata: Any) -> str | None:
             raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
         return named
     user = metadata.get("user_id")
-    try:
-        hint = json.loads(user).get("session_id") if isinstance(user, str) and user.startswith("{") else None
-    except (json.JSONDecodeError, AttributeError):
+    if not isinstance(user, str) or not user.startswith("{"):
         return None
-    return hint if isinstance(hint, str) and hint else None
+    try:
+        parsed = orjson.loads(user)
+    except orjson.JSONDecodeError:
+        return None
+    hint = parsed.get("session_id") if isinstance(parsed, dict) else None
+    return hint if isinstance(hint, str) and valid_session_id(hint) else None

@@ -98,3 +98,6 @@ class TokenDelta:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """As `Generation.top_logprobs`, for these ids."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt ids vLLM read, on the first delta of a stream that asked for them
+    (`return_token_ids`: vLLM echoes them on its first chunk only); None on the others."""

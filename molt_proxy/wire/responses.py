@@ -30,6 +30,7 @@ from vllm.tool_parsers.utils import custom_tool_parameters, flat_namespace_tool_
 
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
+from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.jsonbody import decode_json_object
 from molt_proxy.wire.openai import chat_request, check_sampling, requested_max_tokens, sampling_fields
 from molt_proxy.wire.responses_items import input_messages
@@ -173,10 +174,11 @@ def _metadata_session(metadata: Any) -> str | None:
 
 
 def _codex_session(client_metadata: Any) -> str | None:
-    """The `session_id` Codex sends in `client_metadata`, where it is a non-empty string: a
-    hint, like Claude Code's in `metadata.user_id`, so anything else there is ignored."""
+    """The `session_id` Codex sends in `client_metadata`, where it is a valid session id
+    (`ids.py`; Codex's are UUIDs): a hint, like Claude Code's in `metadata.user_id`, so
+    anything else there is ignored."""
     value = client_metadata.get("session_id") if isinstance(client_metadata, dict) else None
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, str) and valid_session_id(value) else None
 
 
 def _function(tool: dict[str, Any], name: str, param: str) -> dict[str, Any]:
