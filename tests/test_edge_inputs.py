@@ -207,7 +207,7 @@ def test_a_created_session_or_group_id_outside_the_charset_or_length_is_400(clie
 
 def test_every_id_clients_send_and_the_proxy_mints_is_accepted(client):
     """UUIDs (Claude Code, Codex), the proxy's own `side-<hex>` and `uuid4().hex`, ids at the
-    length limit, `prompt-<hex>` and `eval/<group>` groups, task paths."""
+    length limit, `eval/<group>` groups, task paths."""
     for session in (CLAUDE_CODE_SESSION, "side-" + "0" * 32, "f" * 32, "a" * 128, "task_1.attempt:2"):
         response = client.post(f"/s/{session}/v1/chat/completions", json=chat_body(max_tokens=4))
         assert (response.status_code, response.json()["session_id"]) == (200, session)
@@ -217,10 +217,11 @@ def test_every_id_clients_send_and_the_proxy_mints_is_accepted(client):
         headers={"x-session-id": "hdr-" + "0" * 124, "x-group-id": "swe/django-11099:" + "g" * 239},
     )
     assert by_header.status_code == 200, by_header.text
-    created = client.post(
-        "/v1/sessions", json={"session_id": "made.1", "group_id": "prompt-0123456789abcdef"}
-    )
-    assert created.status_code == 201 and created.json()["group_id"] == "prompt-0123456789abcdef"
+    created = client.post("/v1/sessions", json={"session_id": "made.1", "group_id": "task-0123456789abcdef"})
+    assert created.status_code == 201 and created.json()["group_id"] == "task-0123456789abcdef"
+    # The proxy's own default groups (`prompt-<hex>`) are well formed, but no client names one.
+    reserved = client.post("/v1/sessions", json={"group_id": "prompt-0123456789abcdef"})
+    assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "group_id"
     evaluated = client.post("/v1/sessions", json={"group_id": "digits", "train": False})
     assert evaluated.status_code == 201 and evaluated.json()["group_id"] == "eval/digits"
     # A side request's session is minted by the proxy, whatever session the request names.
