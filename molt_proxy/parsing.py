@@ -22,6 +22,7 @@ from vllm.parser import ParserManager
 from vllm.parser.abstract_parser import Parser
 from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
+from vllm.tool_parsers.tool_strict_level import ToolStrictLevelName
 
 from molt_proxy.constraints import structured_outputs
 from molt_proxy.tokenizer import Tokenizer
@@ -50,7 +51,13 @@ def sampled_json_text(text: str, value: Any, start: int = 0) -> tuple[str, int] 
 class ReplyParser:
     """Builds the assistant message for one completion."""
 
-    def __init__(self, tokenizer: Tokenizer, tool_parser: str | None, reasoning_parser: str | None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+        tool_strict_level: ToolStrictLevelName = "auto",
+    ):
         self.tokenizer = tokenizer
         self._tool_parser_name = tool_parser
         self._tool_cls: type[ToolParser] | None = (
@@ -61,7 +68,11 @@ class ReplyParser:
         )
         self.stop_ids = {tokenizer.eos_token_id, *tokenizer.generation_eos_ids}
         # The streaming path uses vLLM's combined parser, with and without the tool half.
-        self._stream_cls = ParserManager.get_parser(tool_parser, reasoning_parser, enable_auto_tools=True)
+        # `tool_strict_level` is `vllm serve --tool-strict-level`: the combined parser derives
+        # the structural tags of tool calls at that level, as vLLM's chat route does.
+        self._stream_cls = ParserManager.get_parser(
+            tool_parser, reasoning_parser, enable_auto_tools=True, tool_strict_level=tool_strict_level
+        )
         self._stream_cls_no_tools = ParserManager.get_parser(None, reasoning_parser)
 
     def parse(
@@ -96,7 +107,9 @@ class ReplyParser:
         """The vLLM structured outputs the request asks for (`constraints.py`), derived by the
         same combined parser vLLM's chat route would use; None: unconstrained."""
         cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
-        return structured_outputs(request, cls, self._tool_parser_name, self.tokenizer.hf)
+        return structured_outputs(
+            request, cls, self._tool_parser_name, self.tokenizer.hf, self.tokenizer.json_separators
+        )
 
     def ends_with_stop_id(self, ids: list[int], finish_reason: str, request: ChatCompletionRequest) -> bool:
         """Whether the turn ended on a stop id (the model's end of turn, or one of the request's
