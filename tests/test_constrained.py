@@ -10,6 +10,7 @@ against the session's real vLLM on the taught tiny Qwen3 (`tests/conftest.py`).
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+import xgrammar
 from openai import OpenAI
+from xgrammar.testing import _is_grammar_accept_string
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy import store
@@ -31,6 +34,14 @@ STRICT = [{"type": "function", "function": {"name": "f", "parameters": PARAMETER
 NAMED = {"type": "function", "function": {"name": "f"}}
 BEGINS = ['<tool_call>\n{"name": "f", "arguments": ', '<tool_call>{"name": "f", "arguments": ']
 """The two forms of vLLM's Hermes structural tag: the template's own markup, and a compact one."""
+ANY_OBJECT = {"type": "object"}
+
+
+def grammar(schema: dict[str, Any]) -> dict[str, str]:
+    """xgrammar's grammar for `schema` in one line with Qwen3's `tojson` separators, as the
+    proxy sends it in place of the schema (`constraints.py`)."""
+    text = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+    return {"type": "grammar", "grammar": str(text)}
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +82,35 @@ def test_a_named_tool_choice_is_constrained_to_the_templates_call_markup(proxy, 
     )
     assert [tag["begin"] for tag in tags["tags"]] == BEGINS
     assert [tag["end"] for tag in tags["tags"]] == ["}\n</tool_call>", "}</tool_call>"]
-    # a strict tool's arguments follow its schema
-    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [PARAMETERS, PARAMETERS]
+    # a strict tool's arguments follow its schema, without free whitespace
+    assert [tag["content"] for tag in tags["tags"]] == [grammar(PARAMETERS), grammar(PARAMETERS)]
 
 
-def test_required_allows_several_calls_and_a_loose_tool_any_json_arguments(proxy):
+def test_required_allows_several_calls_and_a_loose_tool_any_json_object_arguments(proxy):
+    """vLLM's `json_schema: true` (any JSON value, a bare string too) for a tool not pinned to
+    its schema is sent as any object: a call's arguments are an object in every API."""
     constraint, constrained = sent_constraint(proxy, "required", tools=TOOLS, tool_choice="required")
     tags = tag_format(constraint)
     assert constrained is True and (tags["at_least_one"], tags["stop_after_first"]) == (True, False)
-    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [True, True]
+    assert [tag["content"] for tag in tags["tags"]] == [grammar(ANY_OBJECT), grammar(ANY_OBJECT)]
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "admitted"),
+    [
+        (PARAMETERS, '{"city": "Paris"}', True),  # what Qwen3's `tojson` prints
+        (PARAMETERS, '{"city":"Paris"}', False),
+        (PARAMETERS, '{ "city": "Paris"}', False),
+        (PARAMETERS, '{"city"\r\n: "Paris"}', False),
+        (PARAMETERS, '{"city": "Paris"}\n', False),
+        (PARAMETERS, '{"city": "Paris", "zone": "x"}', False),
+        (ANY_OBJECT, '{"zone": [1, {"a": null}]}', True),
+        (ANY_OBJECT, '{"zone": [1,2]}', False),
+        (ANY_OBJECT, '"Paris"', False),
+    ],
+)
+def test_json_grammars_admit_exactly_the_bytes_the_template_prints(schema, text, admitted):
+    assert _is_grammar_accept_string(grammar(schema)["grammar"], text) is admitted
 
 
 def test_parallel_tool_calls_false_allows_text_and_at_most_one_call(proxy):
@@ -104,15 +135,16 @@ def test_a_strict_tool_constrains_its_calls_under_auto_as_in_vllm(proxy):
         ["<tool_call>"],
         False,
     )
-    assert [tag["content"]["json_schema"] for tag in tags["tags"]] == [PARAMETERS, PARAMETERS]
+    assert [tag["content"] for tag in tags["tags"]] == [grammar(PARAMETERS), grammar(PARAMETERS)]
 
 
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": PARAMETERS}}},
-         {"json": PARAMETERS}),
-        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+         {"grammar": grammar(PARAMETERS)["grammar"]}),
+        ({"response_format": {"type": "json_object"}}, {"grammar": grammar(ANY_OBJECT)["grammar"]}),
+        ({"structured_outputs": {"json": PARAMETERS}}, {"grammar": grammar(PARAMETERS)["grammar"]}),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
         ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
         ({"response_format": {"type": "text"}}, None),
@@ -324,3 +356,111 @@ def test_a_json_schema_reply_is_schema_valid_and_its_echo_continues_exactly(
     history += [reply_as_message(shaped.choices[0].message), {"role": "user", "content": "And Tokyo?"}]
     first, second = _continue_exactly(proxy, client, "json", history, WEATHER_TOOL)
     assert (first["constrained"], second["constrained"]) == (True, False)
+
+
+# -- real sampling on the untaught tiny Qwen3: a weak policy, as RL starts from -------------------
+
+ZONES = ["Europe/Paris", "Asia/Tokyo", "America/Lima"]
+ZONE_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ZONES}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+"""A time zone out of three: a free string lets a random model loop inside it until `max_tokens`."""
+TIME_QUESTION = [{"role": "user", "content": "What time is it in Paris?"}]
+FORCED_TIME = {"type": "function", "function": {"name": "get_time"}}
+CALL_MARKUP = (
+    r'<tool_call>(\n?){"name": "get_time", "arguments": (?P<arguments>\{.*\})}\1</tool_call><\|im_end\|>'
+)
+"""The sampled text of a forced call: Hermes' markup as the template prints it (or vLLM's compact
+form, `\\n` left out), the arguments in one line with `", "` and `": "`, then the end of turn."""
+
+
+def time_tool(strict: bool | None) -> dict[str, Any]:
+    function = {"name": "get_time", "description": "The time in a zone.", "parameters": ZONE_SCHEMA}
+    return {"type": "function", "function": function | ({} if strict is None else {"strict": strict})}
+
+
+def sampled_text(proxy_url: str, model: Path, session: str) -> list[str]:
+    """Close `session` and decode what each of its turns sampled, exactly (one segment)."""
+    from transformers import AutoTokenizer
+
+    post(proxy_url, "/v1/rewards", json={"session_id": session, "reward": 0.0}).raise_for_status()
+    [record] = [t for t in trajectories(proxy_url) if t["session_id"] == session]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [
+        tokenizer.decode(record["token_ids"][turn["completion_start"] : turn["completion_end"]])
+        for turn in record["turns"]
+    ]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_forced_strict_call_on_the_untaught_model_samples_no_whitespace_and_its_echo_continues(
+    untaught_qwen3_model: Path, untaught_qwen3_vllm, start_proxy, seed
+):
+    """Issue 26.10: under vLLM's own grammar the untaught model padded a strict tool's
+    arguments with whitespace until `max_tokens` (`{\\r\\n   \\n\\t...`, 300 of 300 tokens, seeds
+    2 and 3). Now the call is in the template's bytes and ends within a few dozen tokens; the
+    agent echoes it and the next turn continues the same segment."""
+    proxy = start_proxy(untaught_qwen3_model, untaught_qwen3_vllm, "--tool-call-parser", "hermes")
+    session = f"strict-{seed}"
+    client = OpenAI(base_url=proxy.base_url(session), api_key="x")
+    tools = [time_tool(strict=True)]
+    forced = client.chat.completions.create(
+        model="tiny", messages=TIME_QUESTION, tools=tools, tool_choice=FORCED_TIME, max_tokens=300, seed=seed
+    )
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and forced.usage.completion_tokens < 60
+    [call] = choice.message.tool_calls
+    assert json.loads(call.function.arguments)["zone"] in ZONES
+    history = [
+        *TIME_QUESTION,
+        reply_as_message(choice.message),
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    client.chat.completions.create(model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=4)
+    first, _ = sampled_text(proxy.url, untaught_qwen3_model, session)
+    match = re.fullmatch(CALL_MARKUP, first, re.DOTALL)
+    assert match is not None, first
+    assert match["arguments"] == call.function.arguments == json.dumps({"zone": json.loads(match["arguments"])["zone"]})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_output_on_the_untaught_model_samples_no_whitespace_and_its_echo_continues(
+    untaught_qwen3_model: Path, untaught_qwen3_vllm, start_proxy, seed
+):
+    """Issue 26.10: the JSON output of vLLM's grammar was `{` then whitespace until
+    `max_tokens` (300 of 300 tokens, every seed); now it is the object, in one line."""
+    proxy = start_proxy(untaught_qwen3_model, untaught_qwen3_vllm, "--tool-call-parser", "hermes")
+    session = f"json-{seed}"
+    client = OpenAI(base_url=proxy.base_url(session), api_key="x")
+    shaped = client.chat.completions.create(
+        model="tiny",
+        messages=TIME_QUESTION,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": ZONE_SCHEMA}},
+        max_tokens=300,
+        seed=seed,
+    )
+    content = shaped.choices[0].message.content
+    assert shaped.choices[0].finish_reason == "stop" and shaped.usage.completion_tokens < 30
+    assert content == json.dumps({"zone": json.loads(content)["zone"]})
+    history = [*TIME_QUESTION, reply_as_message(shaped.choices[0].message), {"role": "user", "content": "Thanks"}]
+    client.chat.completions.create(model="tiny", messages=history, max_tokens=4)
+    first, _ = sampled_text(proxy.url, untaught_qwen3_model, session)
+    assert first == content + "<|im_end|>"
+
+
+def _forced_loose_arguments(proxy, level: str, seed: int) -> tuple[str, int]:
+    """A named call of a tool that is not strict; its arguments and tokens sampled."""
+    client = OpenAI(base_url=proxy.base_url(f"{level}-{seed}"), api_key="x")
+    forced = client.chat.completions.create(
+        model="tiny",
+        messages=TIME_QUESTION,
+        tools=[time_tool(strict=None)],
+        tool_choice=FORCED_TIME,
+        max_tokens=300,
+        seed=seed,
+    )
+    [call] = forced.choices[0].message.tool_calls
+    return call.function.arguments, forced.usage.completion_tokens
