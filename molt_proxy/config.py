@@ -92,7 +92,9 @@ class Settings:
         if self.lora_name == "":
             raise ValueError("a LoRA name must not be empty")
         if self.tool_strict_level not in ("auto", "function", "parameter"):
-            raise ValueError(f"tool_strict_level must be auto, function or parameter, got {self.tool_strict_level!r}")
+            raise ValueError(
+                f"tool_strict_level must be auto, function or parameter, got {self.tool_strict_level!r}"
+            )
         check_pins(self.sampling)
         check_rules(self.side_requests)
         self.db_path = Path(self.db_path)

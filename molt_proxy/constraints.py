@@ -152,7 +152,9 @@ def _requested(request: ChatCompletionRequest) -> StructuredOutputsParams | None
         ) from None
 
 
-def _without_free_whitespace(constraint: dict[str, Any], separators: Separators, where: str) -> dict[str, Any]:
+def _without_free_whitespace(
+    constraint: dict[str, Any], separators: Separators, where: str
+) -> dict[str, Any]:
     """`constraint` with each JSON schema (top level or in a structural tag) as xgrammar's
     grammar for it without free whitespace (module docstring). A schema xgrammar cannot
     express (vLLM then samples it with its `guidance` backend) is sent as it was."""
@@ -205,7 +207,9 @@ def _grammar(schema: Any, separators: Separators, where: str) -> str:
             json.dumps(schema), any_whitespace=False, separators=separators
         )
     except Exception as exc:  # xgrammar raises RuntimeError (and others) on a schema it refuses
-        raise BadRequest(f"the {where} JSON schema cannot be compiled: {str(exc)[:300]}", param=where) from None
+        raise BadRequest(
+            f"the {where} JSON schema cannot be compiled: {str(exc)[:300]}", param=where
+        ) from None
     return str(grammar)
 
 

@@ -107,7 +107,10 @@ class Tokenizer:
         otherwise). Grammars for JSON output use them (`constraints.py`), so what the model
         samples is what the template prints when an agent echoes the call as an object."""
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": _PROBE_OBJECT}}
-        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False)
         except Exception:  # a template that cannot render a tool call: JSON's own default

@@ -73,7 +73,9 @@ def untaught_qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def untaught_qwen3_vllm(untaught_qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def untaught_qwen3_vllm(
+    untaught_qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
     yield from _vllm(untaught_qwen3_model, tmp_path_factory.mktemp("vllm-qwen3-untaught"))
 
 

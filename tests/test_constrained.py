@@ -24,7 +24,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy import store
-from molt_proxy.cli import launched_vllm_args
+from molt_proxy.cli import launched_vllm_args, parser, settings_from_args
 from tests.helpers import forward_logprobs, reopened, reply_as_message, trajectories, write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, post
 
@@ -40,7 +40,9 @@ ANY_OBJECT = {"type": "object"}
 def grammar(schema: dict[str, Any]) -> dict[str, str]:
     """xgrammar's grammar for `schema` in one line with Qwen3's `tojson` separators, as the
     proxy sends it in place of the schema (`constraints.py`)."""
-    text = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+    text = xgrammar.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+    )
     return {"type": "grammar", "grammar": str(text)}
 
 
@@ -136,6 +138,34 @@ def test_a_strict_tool_constrains_its_calls_under_auto_as_in_vllm(proxy):
         False,
     )
     assert [tag["content"] for tag in tags["tags"]] == [grammar(PARAMETERS), grammar(PARAMETERS)]
+
+
+@pytest.mark.parametrize(
+    ("level", "fields", "kind", "content"),
+    [
+        ("auto", {"tool_choice": NAMED}, "tags_with_separator", grammar(ANY_OBJECT)),
+        ("parameter", {"tool_choice": NAMED}, "tags_with_separator", grammar(PARAMETERS)),
+        ("function", {}, "triggered_tags", grammar(ANY_OBJECT)),
+        ("parameter", {}, "triggered_tags", grammar(PARAMETERS)),
+        ("auto", {}, None, None),
+    ],
+)
+def test_the_tool_strict_level_is_vllms(tmp_path, level, fields, kind, content):
+    """`--tool-strict-level` as in `vllm serve`: `parameter` pins every tool's arguments to its
+    schema; `function` and `parameter` constrain every request with tools to the call markup."""
+    with inprocess_proxy(tmp_path / "p.db", tool_call_parser="hermes", tool_strict_level=level) as url:
+        constraint, constrained = sent_constraint(url, "s", tools=TOOLS, **fields)
+    assert constrained is (kind is not None)
+    if kind is not None:
+        tags = tag_format(constraint)
+        assert tags["type"] == kind and [tag["content"] for tag in tags["tags"]] == [content, content]
+
+
+def test_serve_takes_vllms_tool_strict_levels_only():
+    flags = parser().parse_args(["serve", "--model", "m", "--tool-strict-level", "parameter"])
+    assert settings_from_args(flags, None, []).tool_strict_level == "parameter"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--model", "m", "--tool-strict-level", "all"])
 
 
 @pytest.mark.parametrize(
@@ -419,11 +449,17 @@ def test_a_forced_strict_call_on_the_untaught_model_samples_no_whitespace_and_it
         reply_as_message(choice.message),
         {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
     ]
-    client.chat.completions.create(model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=4)
+    client.chat.completions.create(
+        model="tiny", messages=history, tools=tools, tool_choice="none", max_tokens=4
+    )
     first, _ = sampled_text(proxy.url, untaught_qwen3_model, session)
     match = re.fullmatch(CALL_MARKUP, first, re.DOTALL)
     assert match is not None, first
-    assert match["arguments"] == call.function.arguments == json.dumps({"zone": json.loads(match["arguments"])["zone"]})
+    assert (
+        match["arguments"]
+        == call.function.arguments
+        == json.dumps({"zone": json.loads(match["arguments"])["zone"]})
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -445,22 +481,61 @@ def test_json_schema_output_on_the_untaught_model_samples_no_whitespace_and_its_
     content = shaped.choices[0].message.content
     assert shaped.choices[0].finish_reason == "stop" and shaped.usage.completion_tokens < 30
     assert content == json.dumps({"zone": json.loads(content)["zone"]})
-    history = [*TIME_QUESTION, reply_as_message(shaped.choices[0].message), {"role": "user", "content": "Thanks"}]
+    history = [
+        *TIME_QUESTION,
+        reply_as_message(shaped.choices[0].message),
+        {"role": "user", "content": "Thanks"},
+    ]
     client.chat.completions.create(model="tiny", messages=history, max_tokens=4)
     first, _ = sampled_text(proxy.url, untaught_qwen3_model, session)
     assert first == content + "<|im_end|>"
 
 
-def _forced_loose_arguments(proxy, level: str, seed: int) -> tuple[str, int]:
-    """A named call of a tool that is not strict; its arguments and tokens sampled."""
-    client = OpenAI(base_url=proxy.base_url(f"{level}-{seed}"), api_key="x")
-    forced = client.chat.completions.create(
-        model="tiny",
-        messages=TIME_QUESTION,
-        tools=[time_tool(strict=None)],
-        tool_choice=FORCED_TIME,
-        max_tokens=300,
-        seed=seed,
+LOOSE_SAMPLES = {
+    "auto": ["{}", None, "{}"],
+    "function": ["{}", None, "{}"],
+    "parameter": ['{"zone": "America/Lima"}', '{"zone": "Asia/Tokyo"}', '{"zone": "America/Lima"}'],
+}
+"""What the untaught model samples as the arguments of a forced call of a tool that is not
+strict, seeds 1, 2, 3, per `--tool-strict-level` (None: no call, `max_tokens` ran out inside a
+made-up key). Only `parameter` pins them to the schema; the others still make them an object."""
+
+
+@pytest.mark.parametrize("level", ["auto", "function", "parameter"])
+def test_the_tool_strict_level_decides_what_pins_a_loose_tools_calls_on_the_untaught_model(
+    untaught_qwen3_model: Path, untaught_qwen3_vllm, start_proxy, level
+):
+    """Issue 26.11, as `vllm serve --tool-strict-level`: `auto` and `function` leave a tool
+    without `strict` free in its arguments (an object, `constraints.py`; vLLM's own grammar
+    let it be a string), `parameter` pins them to the schema; `function` and `parameter` also
+    constrain a turn that only may call (`tool_choice` auto), so it is recorded constrained."""
+    proxy = start_proxy(
+        untaught_qwen3_model,
+        untaught_qwen3_vllm,
+        "--tool-call-parser",
+        "hermes",
+        "--tool-strict-level",
+        level,
     )
-    [call] = forced.choices[0].message.tool_calls
-    return call.function.arguments, forced.usage.completion_tokens
+    sampled = []
+    for seed in (1, 2, 3):
+        client = OpenAI(base_url=proxy.base_url(f"{level}-{seed}"), api_key="x")
+        forced = client.chat.completions.create(
+            model="tiny",
+            messages=TIME_QUESTION,
+            tools=[time_tool(strict=None)],
+            tool_choice=FORCED_TIME,
+            max_tokens=300,
+            seed=seed,
+        )
+        calls = forced.choices[0].message.tool_calls
+        sampled.append(calls[0].function.arguments if calls else None)
+        assert forced.choices[0].finish_reason == ("tool_calls" if calls else "length")
+    assert sampled == LOOSE_SAMPLES[level]
+    client = OpenAI(base_url=proxy.base_url(f"{level}-may-call"), api_key="x")
+    client.chat.completions.create(
+        model="tiny", messages=TIME_QUESTION, tools=[time_tool(strict=None)], max_tokens=8, seed=1
+    )
+    post(proxy.url, "/v1/rewards", json={"session_id": f"{level}-may-call", "reward": 0.0}).raise_for_status()
+    [record] = [t for t in trajectories(proxy.url) if t["session_id"] == f"{level}-may-call"]
+    assert record["turns"][0]["constrained"] is (level != "auto")
