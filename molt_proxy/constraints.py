@@ -36,6 +36,7 @@ the other sessions on that replica (a 20k-value enum took 21 s): a constraint la
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from typing import Any
 
@@ -45,6 +46,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.parser.abstract_parser import Parser
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+from vllm.v1.structured_output.utils import grammar_is_likely_lark
 
 from molt_proxy.errors import BadRequest
 
@@ -168,6 +170,8 @@ def _without_free_whitespace(
     elif constraint.get("json_object"):
         constraint["grammar"] = _grammar({"type": "object"}, separators, where)
         del constraint["json_object"]
+    elif "grammar" in constraint:
+        _check_grammar(constraint["grammar"], where)
     elif "structural_tag" in constraint:
         tag = json.loads(constraint["structural_tag"])
         constraint["structural_tag"] = json.dumps(_tag_grammars(tag, separators, where))
@@ -189,6 +193,18 @@ def _tag_grammars(node: Any, separators: Separators, where: str) -> Any:
     return {key: _tag_grammars(value, separators, where) for key, value in node.items()}
 
 
+def _check_grammar(grammar: str, where: str) -> None:
+    """A grammar the request sends parses as vLLM's xgrammar backend will parse it (Lark or
+    EBNF), or the request is refused here rather than failing in vLLM."""
+    try:
+        if grammar_is_likely_lark(grammar):
+            xgrammar.Grammar.from_lark(grammar)
+        else:
+            xgrammar.Grammar.from_ebnf(grammar)
+    except Exception:
+        raise BadRequest(f"the {where} grammar is not valid Lark or EBNF", param=where) from None
+
+
 def _plain_json(node: dict[str, Any]) -> bool:
     """A structural tag's JSON content with none of xgrammar's options past the schema (any
     key order, a whitespace cap, excluded substrings), which a grammar would drop."""
@@ -207,9 +223,9 @@ def _grammar(schema: Any, separators: Separators, where: str) -> str:
             json.dumps(schema), any_whitespace=False, separators=separators
         )
     except Exception as exc:  # xgrammar raises RuntimeError (and others) on a schema it refuses
-        raise BadRequest(
-            f"the {where} JSON schema cannot be compiled: {str(exc)[:300]}", param=where
-        ) from None
+        # its message starts with a timestamp and a source line: "[04:55:56] /project/...cc:4944: "
+        reason = re.sub(r"^\[[^\]]*\] \S+: ", "", str(exc)).strip()
+        raise BadRequest(f"the {where} JSON schema cannot be compiled: {reason[:300]}", param=where) from None
     return str(grammar)
 
 
