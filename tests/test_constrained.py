@@ -25,6 +25,7 @@ from xgrammar.testing import _is_grammar_accept_string
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from molt_proxy import store
 from molt_proxy.cli import launched_vllm_args, parser, settings_from_args
+from molt_proxy.constraints import MAX_GRAMMAR_BYTES
 from tests.helpers import forward_logprobs, reopened, reply_as_message, trajectories, write_old_store
 from tests.inprocess import chat_body, inprocess_proxy, post
 
@@ -237,6 +238,84 @@ FORCED = "the forced tool call is the reply's format"
 )  # fmt: skip
 def test_an_output_format_beside_a_forced_call_is_refused(proxy, fields, param, message):
     assert_refused(post(proxy, "/v1/chat/completions", json=chat_body(tools=TOOLS, **fields)), param, message)
+
+
+KINDS = "json, regex, choice, grammar, json_object, structural_tag"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        *[({"structured_outputs": value}, "structured_outputs", "'structured_outputs' must be an object")
+          for value in ("x", 1, True, [])],
+        ({"structured_outputs": {}}, "structured_outputs",
+         f"'structured_outputs' must name exactly one of {KINDS}"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         f"'structured_outputs' must name exactly one of {KINDS}"),
+        ({"structured_outputs": {"grammar": "root ::="}}, "structured_outputs",
+         "the structured_outputs grammar is not valid Lark or EBNF"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": None}}},
+         "response_format.json_schema.schema",
+         "'response_format.json_schema.schema' must be a JSON schema object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 5}}}},
+         "response_format", "the response_format JSON schema cannot be compiled: Type should be a string"),
+        *[({"logit_bias": {key: 1}}, "logit_bias",
+           f"'logit_bias' keys must be token ids in decimal digits, got {key!r}")
+          for key in ("abc", "1e3", "0x10", "-1", " 1")],
+        ({"logit_bias": [1]}, "logit_bias", "'logit_bias' must be an object of token ids to numbers"),
+    ],
+)  # fmt: skip
+def test_malformed_output_constraints_are_refused_by_name(proxy, fields, param, message):
+    """Issue 26.6: each of these was a 500 (vLLM's validator raised AttributeError, or its
+    `StructuredOutputsParams` a bare error; a `logit_bias` key reached `int()`)."""
+    with httpx.Client(base_url=proxy, timeout=60) as client:
+        assert_refused(client.post("/v1/chat/completions", json=chat_body(**fields)), param, message)
+        # the connection stays open for the next request (a 500 dropped it)
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("text", "param", "message"),
+    [
+        ({"format": {"type": "json_schema", "name": "a", "schema": None}}, "text.format.schema",
+         "'text.format.schema' must be a JSON schema object"),
+        ({"format": {"type": "json_schema", "name": "a"}}, "text.format.schema",
+         "'text.format.schema' must be a JSON schema object"),
+        ({"format": "json"}, "text.format", "'text.format.type' must be text, json_object or json_schema"),
+    ],
+)  # fmt: skip
+def test_a_malformed_responses_text_format_is_refused_by_name(proxy, text, param, message):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "text": text}
+    assert_refused(post(proxy, "/v1/responses", json=body), param, message)
+
+
+def test_a_grammar_too_large_to_compile_off_the_other_sessions_path_is_refused(proxy):
+    """Issue 26.8: a json_schema with a 20,000-value enum compiled in vLLM for 21 s and held up
+    another agent's request. Its grammar is 530 KB, past `MAX_GRAMMAR_BYTES`: refused before it
+    reaches vLLM. A 2,000-value enum is served."""
+
+    def enum_schema(n: int) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"v": {"enum": [f"value{i}" for i in range(n)]}},
+            "required": ["v"],
+        }
+
+    large = enum_schema(20_000)
+    size = len(json.dumps({"grammar": grammar(large)["grammar"]}))
+    assert size == 530_260
+    body = chat_body(response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": large}})
+    assert_refused(
+        post(proxy, "/v1/chat/completions", json=body),
+        "response_format",
+        f"the response_format constraint compiles to a grammar of {size} bytes, more than the "
+        f"{MAX_GRAMMAR_BYTES} this proxy compiles (large enums and schemas hold up every other "
+        "request on the replica while vLLM compiles them)",
+    )
+    small = chat_body(
+        response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": enum_schema(2_000)}}
+    )
+    assert post(proxy, "/v1/chat/completions", json=small).status_code == 200
 
 
 def test_a_tool_parser_without_a_structural_tag_cannot_force_calls(tmp_path):
