@@ -16,6 +16,7 @@ import codecs
 import json
 from typing import Any
 
+import jiter
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser import ParserManager
@@ -46,6 +47,25 @@ def sampled_json_text(text: str, value: Any, start: int = 0) -> tuple[str, int] 
             return text[index:end], end
         index = text.find("{", index + 1)
     return None
+
+
+def arguments_object(arguments: Any) -> dict[str, Any]:
+    """The object a call's `arguments` stand for (Anthropic's `tool_use.input`): the JSON text
+    parsed, or for a call cut off by `max_tokens`, its complete part, read as the `anthropic`
+    SDK reads the streamed `input_json_delta` pieces (jiter's partial mode), so a whole and a
+    streamed reply show the same object; {} where there is none."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str) or not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        try:
+            value = jiter.from_json(arguments.encode(), partial_mode=True)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 class ReplyParser:
@@ -101,7 +121,22 @@ class ReplyParser:
             if extracted.tools_called:
                 reply.tool_calls = _exact_tool_calls(reply.content, extracted.tool_calls)
                 reply.content = extracted.content
+            elif finish_reason == "length":
+                return self._as_streamed(sampled_ids, finish_reason, request, prompt_ids) or reply
         return reply
+
+    def _as_streamed(
+        self, ids: list[int], finish_reason: str, request: ChatCompletionRequest, prompt_ids: list[int]
+    ) -> ParsedReply | None:
+        """The reply a stream of `ids` adds up to, if it holds calls. `max_tokens` can cut a call
+        off: the whole-reply parser then finds none (its JSON is incomplete) while the
+        streaming parser has already sent the call out; the whole reply is what the streamed
+        one would be, so the two agree (and an echo of either is restored alike, `echo.py`)."""
+        stream = self.stream(request, prompt_ids)
+        for token_id in ids:  # one id at a time, as vLLM streams them
+            stream.feed([token_id])
+        stream.finish(finish_reason)
+        return stream.reply if stream.reply.tool_calls else None
 
     def structured_outputs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         """The vLLM structured outputs the request asks for (`constraints.py`), derived by the
