@@ -44,7 +44,7 @@ import xgrammar
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 from vllm.parser.abstract_parser import Parser
-from vllm.sampling_params import StructuredOutputsParams
+from vllm.sampling_params import StructuredOutputsParams, check_json_nesting
 from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
 from vllm.v1.structured_output.utils import grammar_is_likely_lark
 
@@ -162,9 +162,8 @@ def _without_free_whitespace(
     express (vLLM then samples it with its `guidance` backend) is sent as it was."""
     constraint = dict(constraint)
     if "json" in constraint:
-        schema = constraint["json"]
-        schema = json.loads(schema) if isinstance(schema, str) else schema
-        if not has_xgrammar_unsupported_json_features(schema):
+        schema = _parsed(constraint["json"], where)
+        if not (isinstance(schema, dict) and has_xgrammar_unsupported_json_features(schema)):
             constraint["grammar"] = _grammar(schema, separators, where)
             del constraint["json"]
     elif constraint.get("json_object"):
@@ -173,9 +172,21 @@ def _without_free_whitespace(
     elif "grammar" in constraint:
         _check_grammar(constraint["grammar"], where)
     elif "structural_tag" in constraint:
-        tag = json.loads(constraint["structural_tag"])
+        tag = _parsed(constraint["structural_tag"], where, structural_tag=True)
         constraint["structural_tag"] = json.dumps(_tag_grammars(tag, separators, where))
     return constraint
+
+
+def _parsed(spec: str | dict[str, Any], where: str, *, structural_tag: bool = False) -> Any:
+    """A schema or structural tag as a value, nested no deeper than vLLM allows
+    (`check_json_nesting`, which vLLM runs before compiling it)."""
+    try:
+        check_json_nesting(spec, structural_tag=structural_tag)
+        return json.loads(spec) if isinstance(spec, str) else spec
+    except json.JSONDecodeError:
+        raise BadRequest(f"the {where} constraint is not valid JSON", param=where) from None
+    except VLLMValidationError as exc:
+        raise BadRequest(f"the {where} constraint: {exc.args[0] if exc.args else exc}", param=where) from None
 
 
 def _tag_grammars(node: Any, separators: Separators, where: str) -> Any:

@@ -252,6 +252,11 @@ KINDS = "json, regex, choice, grammar, json_object, structural_tag"
          f"'structured_outputs' must name exactly one of {KINDS}"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          f"'structured_outputs' must name exactly one of {KINDS}"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs",
+         "the structured_outputs constraint is not valid JSON"),
+        ({"structured_outputs": {"json": "5"}}, "structured_outputs",
+         "the structured_outputs JSON schema cannot be compiled: "
+         "Schema should be an object or bool, but got 5"),
         ({"structured_outputs": {"grammar": "root ::="}}, "structured_outputs",
          "the structured_outputs grammar is not valid Lark or EBNF"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": None}}},
