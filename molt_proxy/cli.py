@@ -42,6 +42,7 @@ def settings_from_args(args: argparse.Namespace, admin_key: str | None, agent_ke
         db_path=Path(args.db),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        tool_strict_level=args.tool_strict_level,
         admin_key=admin_key,
         agent_keys=agent_keys,
         max_request_bytes=args.max_request_bytes,
@@ -300,6 +301,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--db", default=default(Settings, "db_path"), help="SQLite store path")
     serve.add_argument("--tool-call-parser", help="vLLM tool parser name, as in `vllm serve`")
     serve.add_argument("--reasoning-parser", help="vLLM reasoning parser name, as in `vllm serve`")
+    serve.add_argument(
+        "--tool-strict-level",
+        choices=("auto", "function", "parameter"),
+        default=default(Settings, "tool_strict_level"),
+        help="as in `vllm serve`: auto constrains forced calls and strict tools' arguments; "
+        "function every request with tools to the call markup; parameter also every tool's "
+        "arguments to its schema",
+    )
     serve.add_argument("--max-model-len", type=int, help="passed to the vLLM it launches")
     serve.add_argument(
         "--vllm-port", type=int, help="port of the (first) vLLM it launches; replicas take the next ones"

@@ -42,6 +42,12 @@ class Settings:
     db_path: Path = Path("molt-proxy.db")
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    tool_strict_level: str = "auto"
+    """`vllm serve --tool-strict-level`: how far tool calls are constrained. `auto`: forced calls
+    (and a `strict: true` tool's calls) follow the call markup, only strict tools' arguments
+    their schema; `function`: every request with tools gets the markup constraint; `parameter`:
+    every tool's arguments follow its schema too (`constraints.py`; README, constrained
+    decoding)."""
     admin_key: str | None = field(default=None, repr=False)
     """When set, every route that writes or reads training data needs a key (`auth.py`);
     unset, the proxy is open. Never in a repr, so never in a log."""
@@ -100,6 +106,10 @@ class Settings:
         low, high = self.reward_range
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise ValueError("--reward-range takes two finite numbers LOW < HIGH")
+        if self.tool_strict_level not in ("auto", "function", "parameter"):
+            raise ValueError(
+                f"tool_strict_level must be auto, function or parameter, got {self.tool_strict_level!r}"
+            )
         check_pins(self.sampling)
         check_rules(self.side_requests)
         self.db_path = Path(self.db_path)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt_proxy.errors import BadRequest
-from molt_proxy.parsing import sampled_json_text
+from molt_proxy.parsing import arguments_object, sampled_json_text
 from molt_proxy.rendering import Renders
 from molt_proxy.stitching import echo_replacing
 from molt_proxy.types import ParsedReply
@@ -157,8 +157,10 @@ def _same_arguments(echoed: Any, returned: str) -> bool:
     same JSON value as the returned string."""
     try:
         value = json.loads(returned)
-    except json.JSONDecodeError:
-        return echoed == returned
+    except json.JSONDecodeError:  # a call cut off by max_tokens: an object is its complete part
+        return echoed == returned or (
+            isinstance(echoed, dict) and same_json(echoed, arguments_object(returned))
+        )
     if isinstance(echoed, str):
         try:
             echoed = json.loads(echoed)

@@ -16,12 +16,14 @@ import codecs
 import json
 from typing import Any
 
+import jiter
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser import ParserManager
 from vllm.parser.abstract_parser import Parser
 from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
+from vllm.tool_parsers.tool_strict_level import ToolStrictLevelName
 
 from molt_proxy.constraints import structured_outputs
 from molt_proxy.tokenizer import Tokenizer
@@ -47,10 +49,35 @@ def sampled_json_text(text: str, value: Any, start: int = 0) -> tuple[str, int] 
     return None
 
 
+def arguments_object(arguments: Any) -> dict[str, Any]:
+    """The object a call's `arguments` stand for (Anthropic's `tool_use.input`): the JSON text
+    parsed, or for a call cut off by `max_tokens`, its complete part, read as the `anthropic`
+    SDK reads the streamed `input_json_delta` pieces (jiter's partial mode), so a whole and a
+    streamed reply show the same object; {} where there is none."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str) or not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        try:
+            value = jiter.from_json(arguments.encode(), partial_mode=True)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
 class ReplyParser:
     """Builds the assistant message for one completion."""
 
-    def __init__(self, tokenizer: Tokenizer, tool_parser: str | None, reasoning_parser: str | None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+        tool_strict_level: ToolStrictLevelName = "auto",
+    ):
         self.tokenizer = tokenizer
         self._tool_parser_name = tool_parser
         self._tool_cls: type[ToolParser] | None = (
@@ -61,7 +88,11 @@ class ReplyParser:
         )
         self.stop_ids = {tokenizer.eos_token_id, *tokenizer.generation_eos_ids}
         # The streaming path uses vLLM's combined parser, with and without the tool half.
-        self._stream_cls = ParserManager.get_parser(tool_parser, reasoning_parser, enable_auto_tools=True)
+        # `tool_strict_level` is `vllm serve --tool-strict-level`: the combined parser derives
+        # the structural tags of tool calls at that level, as vLLM's chat route does.
+        self._stream_cls = ParserManager.get_parser(
+            tool_parser, reasoning_parser, enable_auto_tools=True, tool_strict_level=tool_strict_level
+        )
         self._stream_cls_no_tools = ParserManager.get_parser(None, reasoning_parser)
 
     def parse(
@@ -90,13 +121,30 @@ class ReplyParser:
             if extracted.tools_called:
                 reply.tool_calls = _exact_tool_calls(reply.content, extracted.tool_calls)
                 reply.content = extracted.content
+            elif finish_reason == "length":
+                return self._as_streamed(sampled_ids, finish_reason, request, prompt_ids) or reply
         return reply
+
+    def _as_streamed(
+        self, ids: list[int], finish_reason: str, request: ChatCompletionRequest, prompt_ids: list[int]
+    ) -> ParsedReply | None:
+        """The reply a stream of `ids` adds up to, if it holds calls. `max_tokens` can cut a call
+        off: the whole-reply parser then finds none (its JSON is incomplete) while the
+        streaming parser has already sent the call out; the whole reply is what the streamed
+        one would be, so the two agree (and an echo of either is restored alike, `echo.py`)."""
+        stream = self.stream(request, prompt_ids)
+        for token_id in ids:  # one id at a time, as vLLM streams them
+            stream.feed([token_id])
+        stream.finish(finish_reason)
+        return stream.reply if stream.reply.tool_calls else None
 
     def structured_outputs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         """The vLLM structured outputs the request asks for (`constraints.py`), derived by the
         same combined parser vLLM's chat route would use; None: unconstrained."""
         cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
-        return structured_outputs(request, cls, self._tool_parser_name, self.tokenizer.hf)
+        return structured_outputs(
+            request, cls, self._tool_parser_name, self.tokenizer.hf, self.tokenizer.json_separators
+        )
 
     def ends_with_stop_id(self, ids: list[int], finish_reason: str, request: ChatCompletionRequest) -> bool:
         """Whether the turn ended on a stop id (the model's end of turn, or one of the request's

@@ -88,7 +88,12 @@ class Proxy:
         self.completions = Completions(
             self.sessions,
             self.tokenizer,
-            ReplyParser(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
+            ReplyParser(
+                self.tokenizer,
+                self.settings.tool_call_parser,
+                self.settings.reasoning_parser,
+                self.settings.tool_strict_level,
+            ),
             self.replicas,
             verify_prompt_ids=self.settings.verify_prompt_ids,
             sampling_pins=self.settings.sampling,

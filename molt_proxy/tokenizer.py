@@ -25,6 +25,9 @@ from molt_proxy.errors import BadRequest
 log = logging.getLogger(__name__)
 
 _PROBE_ARGUMENTS = '{"probe":1}'
+_PROBE_OBJECT = {"probe": [1, 2]}
+_SEPARATORS = ((", ", ": "), (",", ":"), (",", ": "), (", ", ":"))
+"""(item, key) separators a template's `tojson` may print, Python's `json.dumps` default first."""
 _PROBE_CONTENT = "probe-content"
 
 
@@ -96,6 +99,24 @@ class Tokenizer:
             )
             return False
         return _PROBE_ARGUMENTS in text
+
+    @cached_property
+    def json_separators(self) -> tuple[str, str]:
+        """The (item, key) separators the template prints a tool call's dict arguments with
+        (transformers' `tojson` is `json.dumps`: `", "` and `": "` unless the template asks
+        otherwise). Grammars for JSON output use them (`constraints.py`), so what the model
+        samples is what the template prints when an agent echoes the call as an object."""
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": _PROBE_OBJECT}}
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template that cannot render a tool call: JSON's own default
+            return _SEPARATORS[0]
+        found = [s for s in _SEPARATORS if json.dumps(_PROBE_OBJECT, separators=s) in text]
+        return found[0] if found else _SEPARATORS[0]
 
     @cached_property
     def closing(self) -> Closing | None:

@@ -62,6 +62,24 @@ def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def untaught_qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 with the real tokenizer, never taught: a weak policy, as RL starts
+    from, for the paths a grammar forces (tool calls, JSON) that it would never take itself."""
+    if tokenizer_source("qwen3") is None:
+        pytest.skip("the real qwen3 tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
+    return built_once(
+        tmp_path_factory, "tiny-qwen3-untaught", lambda folder: build_tiny_model(folder, "qwen3", teach=False)
+    )
+
+
+@pytest.fixture(scope="session")
+def untaught_qwen3_vllm(
+    untaught_qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    yield from _vllm(untaught_qwen3_model, tmp_path_factory.mktemp("vllm-qwen3-untaught"))
+
+
+@pytest.fixture(scope="session")
 def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model(tmp_path_factory, "llama")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import pytest
 
 from devtools.scripts import weather_episode
 from tests.helpers import assert_exact, trajectories
@@ -172,3 +173,113 @@ def test_thinking_blocks_whole_and_streamed(qwen3_model, qwen3_vllm, start_proxy
     assert [b.model_dump(exclude={"signature"}) for b in streamed.content] == [
         b.model_dump(exclude={"signature"}) for b in message.content
     ]
+
+
+# -- forced tool use on the untaught tiny Qwen3 -----------------------------------------------------
+
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["Europe/Paris", "Asia/Tokyo", "America/Lima"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+QUESTION = [{"role": "user", "content": "What time is it in Paris?"}]
+
+
+def _time_tool(strict: bool | None) -> dict[str, Any]:
+    tool = {"name": "get_time", "description": "The time in a zone.", "input_schema": TIME_SCHEMA}
+    return tool if strict is None else {**tool, "strict": strict}
+
+
+def _forced(url: str, tool: dict[str, Any], choice: dict[str, Any], stream: bool) -> Any:
+    """A forced tool use (greedy) and its answer, echoed as the SDK returned them; the first
+    reply."""
+    sdk = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0)
+    request = {
+        "model": "tiny",
+        "max_tokens": 300,
+        "tools": [tool],
+        "tool_choice": choice,
+        "messages": QUESTION,
+        "extra_body": {"temperature": 0},
+    }
+    if stream:
+        pieces = []
+        with sdk.messages.stream(**request) as events:
+            for event in events:
+                if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                    pieces.append(event.delta.partial_json)
+            reply = events.get_final_message()  # raised ValueError: the pieces added up to a string
+        if reply.stop_reason == "tool_use":  # the pieces add up to the JSON objects the model sampled
+            assert "".join(pieces) == "".join(
+                json.dumps(b.input) for b in reply.content if b.type == "tool_use"
+            )
+    else:
+        reply = sdk.messages.create(**request)
+    echoed = [
+        *QUESTION,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": b.id, "content": "12:00"}
+                for b in reply.content
+                if b.type == "tool_use"
+            ],
+        },
+    ]
+    sdk.messages.create(**{**request, "messages": echoed, "tool_choice": {"type": "none"}, "max_tokens": 4})
+    return reply
+
+
+PARIS = {"zone": "Europe/Paris"}
+
+
+@pytest.mark.parametrize(
+    ("choice", "strict", "level", "calls"),
+    [
+        ({"type": "tool", "name": "get_time"}, True, "auto", 1),
+        ({"type": "any"}, True, "auto", 2),
+        ({"type": "tool", "name": "get_time"}, None, "parameter", 1),
+        ({"type": "any"}, None, "parameter", 4),
+        ({"type": "tool", "name": "get_time"}, None, "auto", 0),
+        ({"type": "any"}, None, "auto", 0),
+    ],
+)
+def test_forced_tool_use_on_the_untaught_model_is_an_object_whole_and_streamed_and_its_echo_continues(
+    untaught_qwen3_model, untaught_qwen3_vllm, start_proxy, choice, strict, level, calls
+):
+    """Issue 26.12: a forced call of a tool not pinned to its schema came back as `tool_use`
+    with `input: {}` for a sampled string (whole; its echo opened a second segment, 7 of 7),
+    and as `input_json_delta` pieces adding up to a JSON string (streamed; the SDK's
+    `get_final_message` raised ValueError). Its arguments are now an object by grammar (a
+    strict tool's, or any tool's under `--tool-strict-level parameter`, follow its schema):
+    the whole and the streamed reply agree, and the echo of either continues the segment.
+    `calls` 0: the loose tool's made-up key runs into `max_tokens` (greedy); the call cut off
+    there is a `tool_use` whole as streamed (it was text whole), its input the complete part."""
+    proxy = start_proxy(
+        untaught_qwen3_model,
+        untaught_qwen3_vllm,
+        "--tool-call-parser",
+        "hermes",
+        "--tool-strict-level",
+        level,
+    )
+    sessions = [f"whole-{choice['type']}", f"streamed-{choice['type']}"]
+    whole = _forced(f"{proxy.url}/s/{sessions[0]}", _time_tool(strict), choice, stream=False)
+    streamed = _forced(f"{proxy.url}/s/{sessions[1]}", _time_tool(strict), choice, stream=True)
+    assert [b.model_dump(exclude={"id"}) for b in whole.content] == [
+        b.model_dump(exclude={"id"}) for b in streamed.content
+    ]
+    for reply in (whole, streamed):
+        assert all(b.type == "tool_use" and isinstance(b.input, dict) for b in reply.content)
+        if calls:
+            assert reply.stop_reason == "tool_use"
+            assert [(b.name, b.input) for b in reply.content] == [("get_time", PARIS)] * calls
+        else:
+            assert (reply.stop_reason, len(reply.content)) == ("max_tokens", 1)
+    for session in sessions:
+        httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": session, "reward": 0.0}).raise_for_status()
+    records = [t for t in trajectories(proxy.url) if t["session_id"] in sessions]
+    assert [len(r["turns"]) for r in records] == [2, 2]  # one segment each: the echo continued it
+    assert records[0]["token_ids"] == records[1]["token_ids"]

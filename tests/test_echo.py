@@ -32,7 +32,13 @@ from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import ParsedReply
-from tests.helpers import assert_exact, play, reply_as_message, trajectories, write_old_store
+from tests.helpers import (
+    assert_exact,
+    play,
+    reply_as_message,
+    trajectories,
+    write_old_store,
+)
 from tests.inprocess import mock_vllm, serve_app
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
@@ -366,6 +372,25 @@ def test_a_length_cut_inside_a_character_stays_one_segment(qwen3):
         replies.append(reply)
         history += [echoed(reply), {"role": "user", "content": "Go on."}]
     assert qwen3.segments() == [[r["id"] for r in replies]]
+
+
+def test_a_call_cut_off_by_max_tokens_is_a_call_and_its_echo_continues(qwen3):
+    """The whole-reply parser found no call in a call cut off by `max_tokens` (its JSON is
+    incomplete) and returned its markup as text, while a stream had already sent the call out:
+    the whole reply is now what the stream adds up to (issue 26.12; whole and streamed on a
+    real vLLM in `tests/test_anthropic_vllm.py`), and its echo continues the segment."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "cel'
+    ids = qwen3.tokenizer.encode(cut)
+    qwen3.sample(ids=ids, finish_reason="length")
+    whole = qwen3.chat(QUESTION, max_tokens=len(ids))
+    message = whole["choices"][0]["message"]
+    [call] = message["tool_calls"]
+    assert (whole["choices"][0]["finish_reason"], message["content"]) == ("length", None)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "cel'}
+    qwen3.sample("Sunny.")
+    history = [*QUESTION, echoed(whole), {"role": "tool", "tool_call_id": call["id"], "content": "Sunny."}]
+    qwen3.chat(history)
+    assert len(qwen3.segments()) == 1  # the echo of the cut call continued the segment
 
 
 def _splits_a_character(tokenizer: Tokenizer, ids: list[int]) -> bool:

@@ -27,6 +27,7 @@ from molt_proxy.wire.responses import conversation, decode_responses_request
 from molt_proxy.wire.responses_items import encrypted_reasoning
 from molt_proxy.wire.responses_reply import ReplyShape, encode_response_stream
 from tests.inprocess import inprocess_proxy
+from tests.test_constrained import grammar
 from tests.test_echo import Proxy, qwen3_call, served
 
 RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
@@ -381,7 +382,8 @@ def test_constrained_requests_are_sent_with_structured_outputs(qwen3):
     )
     assert forced.output[-1].type == "function_call"
     sent = httpx.get(f"{qwen3.upstream}/_generated").json()[-2:]
-    assert sent[0]["sampling_params"]["structured_outputs"]["json"] == schema
+    # the schema as xgrammar's grammar without free whitespace (`tests/test_constrained.py`)
+    assert sent[0]["sampling_params"]["structured_outputs"] == {"grammar": grammar(schema)["grammar"]}
     assert "structural_tag" in sent[1]["sampling_params"]["structured_outputs"]
     assert [t["constrained"] for r in qwen3.record("constrained") for t in r["turns"]] == [True, True]
 

@@ -319,9 +319,12 @@ def _tool_result(block: AnthropicContentBlock, param: str) -> dict[str, Any]:
 
 
 def _tool(tool: Any) -> dict[str, Any]:
-    """An Anthropic tool as the chat template takes it (the shape chat completions sends)."""
+    """An Anthropic tool as the chat template takes it (the shape chat completions sends), with
+    its `strict` as vLLM's Anthropic route keeps it: a strict tool's input follows its schema."""
     described = {"description": tool.description} if tool.description is not None else {}
-    return {"type": "function", "function": {"name": tool.name, **described, "parameters": tool.input_schema}}
+    strict = {"strict": tool.strict} if tool.strict is not None else {}
+    function = {"name": tool.name, **described, "parameters": tool.input_schema, **strict}
+    return {"type": "function", "function": function}
 
 
 def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 from molt_proxy.errors import MoltError
+from molt_proxy.parsing import arguments_object
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.anthropic import message_id, tool_use_id
 from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
@@ -60,17 +61,6 @@ def stop_reason(reply: RecordedReply, stop_sequence: str | None, max_tokens: int
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
-def _input(arguments: Any) -> dict[str, Any]:
-    """A call's `input`: its sampled JSON text parsed (key order kept), or the dict it is."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def content_blocks(message: ParsedReply, completion_id: str) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if message.reasoning_content:
@@ -85,7 +75,7 @@ def content_blocks(message: ParsedReply, completion_id: str) -> list[dict[str, A
                 "type": "tool_use",
                 "id": tool_use_id(call["id"]),
                 "name": function["name"],
-                "input": _input(function.get("arguments")),
+                "input": arguments_object(function.get("arguments")),
             }
         )
     return blocks

@@ -170,6 +170,39 @@ _TOOL = {
     },
     "required": ["type", "function"],
 }
+JSON_SCHEMA_FORMAT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "description": {"type": "string"},
+        "schema": {"type": "object"},
+        "strict": {"type": "boolean"},
+    },
+    "required": ["name", "schema"],
+}
+"""A json_schema output format: chat's `response_format.json_schema`, and (with `type`) the
+Responses API's `text.format`."""
+_RESPONSE_FORMAT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": JSON_SCHEMA_FORMAT,
+    },
+    "required": ["type"],
+}
+_STRUCTURED_OUTPUTS: dict[str, Any] = {
+    "type": "object",
+    "description": "vLLM's structured outputs: exactly one of these constraints.",
+    "properties": {
+        "json": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+        "regex": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}},
+        "grammar": {"type": "string"},
+        "json_object": {"type": "boolean"},
+    },
+    "minProperties": 1,
+    "maxProperties": 1,
+}
 CHAT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "OpenAI Chat Completions (the fields vLLM's ChatCompletionRequest takes; a subset here).",
@@ -196,6 +229,13 @@ CHAT_SCHEMA: dict[str, Any] = {
         "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, {"type": "object"}]},
         "metadata": {"type": "object"},
         "chat_template_kwargs": {"type": "object"},
+        "response_format": _RESPONSE_FORMAT,
+        "structured_outputs": _STRUCTURED_OUTPUTS,
+        "logit_bias": {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
     },
     "required": ["messages"],
 }

@@ -56,6 +56,7 @@ def decode_chat_request(body: bytes) -> ChatCall:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     messages = [_normalize_message(m, i) for i, m in enumerate(data["messages"])]
     top_logprobs = requested_logprobs(data)
+    _check_constraint_fields(data)
     # vLLM's validator rewrites the dicts it is given (`reasoning_content` → `reasoning`),
     # and the chat template reads `reasoning_content`: it validates copies.
     request = chat_request({**data, "messages": [dict(m) for m in messages]})
@@ -97,6 +98,34 @@ def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -
         raise BadRequest(message[:300], param=exc.parameter) from None
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"invalid request: {type(exc).__name__}") from None
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The kinds of vLLM's `StructuredOutputsParams`, one of which a `structured_outputs` names."""
+
+
+def _check_constraint_fields(data: dict[str, Any]) -> None:
+    """The shapes vLLM's model does not check before it reads them (a `structured_outputs`
+    that is not an object raised AttributeError in its validator) or keeps for later (a
+    `logit_bias` key is a string to it, and an int to the sampler): refused here, by name."""
+    constraint = data.get("structured_outputs")
+    if constraint is not None and not isinstance(constraint, dict):
+        raise BadRequest("'structured_outputs' must be an object", param="structured_outputs")
+    if constraint is not None and sum(constraint.get(kind) is not None for kind in _CONSTRAINTS) != 1:
+        raise BadRequest(
+            f"'structured_outputs' must name exactly one of {', '.join(_CONSTRAINTS)}",
+            param="structured_outputs",
+        )
+    bias = data.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+    for key in bias:
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(
+                f"'logit_bias' keys must be token ids in decimal digits, got {key[:40]!r}", param="logit_bias"
+            )
 
 
 def check_sampling(request: ChatCompletionRequest) -> None:

@@ -31,6 +31,7 @@ from vllm.tool_parsers.utils import custom_tool_parameters, flat_namespace_tool_
 from molt_proxy.conversation import Conversation, echoed_call_ids
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import valid_session_id
+from molt_proxy.wire.control import JSON_SCHEMA_FORMAT
 from molt_proxy.wire.jsonbody import decode_json_object
 from molt_proxy.wire.openai import chat_request, check_sampling, requested_max_tokens, sampling_fields
 from molt_proxy.wire.responses_items import input_messages
@@ -64,6 +65,24 @@ RESPONSES_SCHEMA: dict[str, Any] = {
         "previous_response_id": {"type": "string"},
         "include": {"type": "array", "items": {"type": "string"}},
         "metadata": {"type": "object"},
+        "text": {
+            "type": "object",
+            "properties": {
+                "format": {
+                    "anyOf": [
+                        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}},
+                        {
+                            **JSON_SCHEMA_FORMAT,
+                            "properties": {
+                                "type": {"const": "json_schema"},
+                                **JSON_SCHEMA_FORMAT["properties"],
+                            },
+                            "required": ["type", *JSON_SCHEMA_FORMAT["required"]],
+                        },
+                    ]
+                }
+            },
+        },
     },
     "required": ["input"],
 }
@@ -282,6 +301,8 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         raise BadRequest("'text.format.type' must be text, json_object or json_schema", param="text.format")
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
+    if not isinstance(fmt.get("schema"), dict):
+        raise BadRequest("'text.format.schema' must be a JSON schema object", param="text.format.schema")
     schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
