@@ -103,6 +103,13 @@ class Settings:
             raise ValueError("agent keys need an admin key: without one every route is open")
         if self.lora_name == "":
             raise ValueError("a LoRA name must not be empty")
+        self._check_turn_rules()
+        check_pins(self.sampling)
+        check_rules(self.side_requests)
+        self.db_path = Path(self.db_path)
+
+    def _check_turn_rules(self) -> None:
+        """What turns and rewards are held to: the reward range and vLLM's tool strict level."""
         low, high = self.reward_range
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise ValueError("--reward-range takes two finite numbers LOW < HIGH")
@@ -110,9 +117,6 @@ class Settings:
             raise ValueError(
                 f"tool_strict_level must be auto, function or parameter, got {self.tool_strict_level!r}"
             )
-        check_pins(self.sampling)
-        check_rules(self.side_requests)
-        self.db_path = Path(self.db_path)
 
 
 def default(cls: type, name: str) -> Any:
