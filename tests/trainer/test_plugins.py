@@ -234,7 +234,7 @@ def test_the_example_algorithms_run_offline_through_python_m_trainer_from_anothe
     """The three files as they are, named by paths relative to a working directory that is
     neither the repository nor the files' own: CISPO's loss, GiGPO's advantage and DAPO's
     shaping in one run of `python -m trainer --trajectories`."""
-    data = write_jsonl(
+    write_jsonl(
         tmp_path / "t.jsonl",
         [*episodes(1, "g1", (1.0, 0.0), version=0), *episodes(3, "g2", (0.0, 1.0), version=0)],
     )
