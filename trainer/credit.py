@@ -1,10 +1,12 @@
 """What each trajectory's sampled tokens are credited with: the advantages of a step.
 
-Owns the step from rewards to advantages: by default a session's reward (less a KL penalty
-when `--kl-in reward`) is compared within its group by the estimator (`advantage.py`), and
-every sampled token of every segment of the session shares the result. With
-`--turn-discount`, each turn of a session gets its own advantage from per-turn returns
-(`advantage.py` has the formula), shared by that turn's sampled tokens. It does not decide
+Owns the step from rewards to advantages: what the advantage sees (`shape`: the rewards
+`--reward-shaping` makes, less a KL penalty when `--kl-in reward`), the advantage plug-in run
+on each group and its result checked (`advantages`), and the result laid on the tokens
+(`advantage_tensor`). By default that plug-in is the built-in estimator (`algorithms.py`): a
+session's reward compared within its group (`advantage.py`), shared by every sampled token of
+every segment of the session; with `--turn-discount`, each turn of a session gets its own
+advantage from per-turn returns, shared by that turn's sampled tokens. It does not decide
 which groups train (the loop) or weigh tokens in the loss (`loss.py`).
 
 KL in the reward (`--kl-coef beta --kl-in reward`): a trajectory's penalty is beta times the

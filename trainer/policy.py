@@ -326,9 +326,7 @@ class Policy:
                 ref_logprobs=self._reference_for_loss(micro_batch, loss),
                 kl_logprobs=kl_logprobs,
                 reproducible=mb.sampling.reproducible,
-                loss_fn=loss_plugin(
-                    loss.loss, f"the update after version {current_version}, micro-batch {i}"
-                ),
+                loss_fn=loss_plugin(loss.loss, f"step {current_version + 1}, micro-batch {i}"),
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})

@@ -335,6 +335,9 @@ def test_a_trainer_restarted_with_another_algorithm_resumes_its_cursor_under_run
             time.sleep(1.0)
         os.killpg(first.pid, signal.SIGTERM)  # stopped, as a researcher stops it
         first.wait(timeout=120)
+        deadline = time.monotonic() + 60  # its Ray actor too: it may be inside a step
+        while _session_alive(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
         done, first_records = _steps_done(out / "checkpoint"), len(read(out / "metrics.jsonl"))
         # 3 steps: a step on a group of equal rewards is skipped and writes no record
         second = _trainer([proxy.url], digits_model, out, done + 3, second_log, *plug_ins, cwd=cwd)
@@ -355,7 +358,8 @@ def test_a_trainer_restarted_with_another_algorithm_resumes_its_cursor_under_run
     assert taken == finalized, "every trajectory up to the cursor is trained on, let go or pending"
     records = read(out / "metrics.jsonl")
     assert records[first_records:], "the second trainer took a step"
-    assert all("cispo_clip_frac" in r and "shaped_reward_mean" in r for r in records[first_records:])
+    resumed = records[first_records:]
+    assert all("cispo_clip_frac" in r and "shaped_reward_mean" in r for r in resumed), records
     assert not any("cispo_clip_frac" in r for r in records[:first_records]), "the first one ran PPO"
 
     export = tmp_path / "export.parquet"
