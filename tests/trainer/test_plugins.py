@@ -23,6 +23,7 @@ from trainer.config import LossConfig, TrainerConfig
 from trainer.loop import Trainer
 from trainer.loss import policy_loss
 from trainer.metrics import read
+from trainer.policy import loss_plugin
 
 ROOT = Path(__file__).resolve().parents[2]
 ALGORITHMS = ROOT / "examples" / "algorithms"
@@ -123,6 +124,27 @@ def test_a_plugin_that_raises_stops_the_run_naming_itself_the_step_and_the_group
     assert (
         message
         == f"--group-filter {tmp_path}/bad.py:picky raised at step 1, group g7: KeyError('difficulty')"
+    )
+
+
+def test_a_loss_that_returns_anything_but_a_scalar_and_its_metrics_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "sums.py").write_text("def total(inputs):\n    return inputs.logprobs.sum()\n")
+    loss_fn = loss_plugin(f"{tmp_path}/sums.py:total", "step 3, micro-batch 0")
+    mask = torch.tensor([[0, 1]])
+    with pytest.raises(plugins.PluginError) as error:
+        policy_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1),
+            mask,
+            mask - 1,
+            0,
+            LossConfig(),
+            loss_fn=loss_fn,
+        )
+    assert str(error.value) == (
+        f"--loss {tmp_path}/sums.py:total must return (a scalar tensor, a dict of metrics) "
+        "at step 3, micro-batch 0"
     )
 
 
