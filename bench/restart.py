@@ -39,7 +39,7 @@ SWITCHES = [
 
 def trainer(source: list[str], model: Path, out: Path, steps: int, flags: list[str], log: Path) -> float:
     """Run `python -m trainer` to `steps`; the seconds from its start to its first new record."""
-    shown = len(read(out / "metrics.jsonl"))
+    shown = records(out)
     command = [
         PYTHON, "-m", "trainer", *source, "--model", str(model), "--train-out", str(out),
         "--max-steps", str(steps), "--group-size", "8", "--groups-per-step", "2", "--lr", "1e-2",
@@ -50,7 +50,7 @@ def trainer(source: list[str], model: Path, out: Path, steps: int, flags: list[s
         process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
     first = None
     while process.poll() is None or first is None:
-        if first is None and len(read(out / "metrics.jsonl")) > shown:
+        if first is None and records(out) > shown:
             first = time.monotonic() - started
         if process.poll() is not None and first is None:
             if process.returncode != 0:
@@ -58,6 +58,14 @@ def trainer(source: list[str], model: Path, out: Path, steps: int, flags: list[s
             first = float("nan")  # every step skipped: no record
         time.sleep(0.05)
     return first
+
+
+def records(out: Path) -> int:
+    """Records in metrics.jsonl, a line being written not yet counted."""
+    try:
+        return len(read(out / "metrics.jsonl"))
+    except ValueError:
+        return 0
 
 
 def run(quick: bool = False) -> Section:
@@ -74,6 +82,7 @@ def run(quick: bool = False) -> Section:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     log = OUT / "logs" / "trainer-restart.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_bytes(b"")
     spec = importlib.util.spec_from_file_location("learn_digits", ROOT / "examples" / "learn_digits.py")
     digits = importlib.util.module_from_spec(spec)
