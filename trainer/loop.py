@@ -265,7 +265,7 @@ class Trainer:
             train_greedy=config.train_greedy,
             train_constrained=config.constrained_turns == "train",
         )
-        penalties, kl_metrics = self._reward_kl(batch, trajectories)
+        penalties, reward_metrics = self._reward_kl(batch, trajectories)
         shaped = credit.shape(
             groups,
             self.plugins["reward_shaping"],
@@ -279,7 +279,7 @@ class Trainer:
         values = credit.advantages(advantage, shaped, step=state.step + 1)
         batch.advantages = credit.advantage_tensor(values, trajectories, batch.input_ids.shape[1])
         if self.plugins["reward_shaping"] is not None:
-            kl_metrics["shaped_reward_mean"] = _mean_by_session([t for g in shaped for t in g])
+            reward_metrics["shaped_reward_mean"] = _mean_by_session([t for g in shaped for t in g])
         state.pending = pending
         if not bool(batch.advantages.any()) and not self._loss_beyond_advantages:
             return self._skip(trajectories, "zero_advantage")
@@ -329,7 +329,7 @@ class Trainer:
             "step_s": time.monotonic() - started,
             "time": time.time(),
             **step_metrics,
-            **kl_metrics,
+            **reward_metrics,
             **batch.sampling.counts(),
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
