@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.common import OUT, PYTHON, ROOT, Section, median, proxy_server, table, tiny_model
+from bench.common import OUT, PYTHON, ROOT, Section, load_average, median, proxy_server, table, tiny_model
 from molt_proxy.launcher import VLLMServer
 from trainer.metrics import read
 
@@ -37,9 +37,13 @@ SWITCHES = [
 ]
 
 
-def trainer(source: list[str], model: Path, out: Path, steps: int, flags: list[str], log: Path) -> float:
-    """Run `python -m trainer` to `steps`; the seconds from its start to its first new record."""
+def trainer(
+    source: list[str], model: Path, out: Path, steps: int, flags: list[str], log: Path
+) -> tuple[float, float]:
+    """Run `python -m trainer` to `steps`: the seconds from its start to its first new record,
+    and to Ray's "Started a local Ray instance" in its log (nan offline: no Ray)."""
     shown = records(out)
+    offset, wall = log.stat().st_size, time.time()
     command = [
         PYTHON, "-m", "trainer", *source, "--model", str(model), "--train-out", str(out),
         "--max-steps", str(steps), "--group-size", "8", "--groups-per-step", "2", "--lr", "1e-2",
@@ -57,7 +61,14 @@ def trainer(source: list[str], model: Path, out: Path, steps: int, flags: list[s
                 raise RuntimeError(f"the trainer failed: {log.read_text()[-3000:]}")
             first = float("nan")  # every step skipped: no record
         time.sleep(0.05)
-    return first
+    with log.open("rb") as f:
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    ray = [line[:23] for line in lines if "Started a local Ray instance" in line]
+    if not ray:
+        return first, float("nan")
+    up = time.mktime(time.strptime(ray[0][:19], "%Y-%m-%d %H:%M:%S")) + int(ray[0][20:23]) / 1000
+    return first, up - wall
 
 
 def records(out: Path) -> int:
@@ -77,6 +88,7 @@ def run(quick: bool = False) -> Section:
         "the same trainer started offline (`--trajectories`: an export of the same store, "
         "in-process, no Ray, no proxy, no vLLM), in the same run.",
     )
+    load_before = load_average()
     model = tiny_model("digits")
     work = OUT / "restart"
     shutil.rmtree(work, ignore_errors=True)
@@ -94,11 +106,11 @@ def run(quick: bool = False) -> Section:
             agents = digits.Agents(proxy.url, 8, 8, trained=lambda: False)
             agents.start()
             try:
-                cold = trainer(source, model, work / "live", 1, [], log)
+                cold, _ = trainer(source, model, work / "live", 1, [], log)
                 for k, (name, flags) in enumerate(SWITCHES[:restarts]):
-                    first = trainer(source, model, work / "live", 2 + k, flags, log)
+                    first, ray_up = trainer(source, model, work / "live", 2 + k, flags, log)
                     step_s = read(work / "live" / "metrics.jsonl")[-1]["step_s"]
-                    rows.append((name, first, step_s))
+                    rows.append((name, first, ray_up, step_s))
             finally:
                 agents.join()
             export = work / "export.jsonl"
@@ -109,7 +121,7 @@ def run(quick: bool = False) -> Section:
     offline = []
     for name, flags in SWITCHES[:restarts]:
         shutil.rmtree(work / "offline", ignore_errors=True)
-        first = trainer(["--trajectories", str(export)], model, work / "offline", 1, flags, log)
+        first, _ = trainer(["--trajectories", str(export)], model, work / "offline", 1, flags, log)
         offline.append((name, first))
     section.body.append(
         f"One machine, everything on its CPUs: vLLM (CPU, tiny model), molt-proxy, {8} agent "
@@ -122,17 +134,19 @@ def run(quick: bool = False) -> Section:
             [
                 "restarted with",
                 "start → first step, s",
-                "of which the step (step_s), s",
+                "of which: start → Ray up, s",
+                "the step (step_s), s",
                 "offline: start → first step, s",
             ],
             [
-                [name, f"{first:.1f}", f"{step_s:.1f}", f"{off:.1f}"]
-                for (name, first, step_s), (_, off) in zip(rows, offline, strict=True)
+                [name, f"{first:.1f}", f"{ray_up:.1f}", f"{step_s:.1f}", f"{off:.1f}"]
+                for (name, first, ray_up, step_s), (_, off) in zip(rows, offline, strict=True)
             ],
         )
     )
     section.body.append(
         f"Median start → first step: **{median([r[1] for r in rows]):.1f} s** live (goal: at most 30 s), "
-        f"{median([o[1] for o in offline]):.1f} s offline. Agent-visible errors: {len(agents.errors)}."
+        f"{median([o[1] for o in offline]):.1f} s offline; 1-min load average before the run "
+        f"{load_before}. Agent-visible errors: {len(agents.errors)}."
     )
     return section
