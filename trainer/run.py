@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --proxy-url, or --trajectories FILE")
     if args.proxy_url and args.trajectories:
         parser.error("--trajectories trains offline: it follows no --proxy-url")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     first, args.proxy_url = (args.proxy_url or [""])[0], (args.proxy_url or [])[1:]
     try:
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_plugins(config)  # a wrong name or signature: an error now, not in the actor
     except (ValueError, PluginError) as exc:
         parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = (train_offline if config.trajectories is not None else train)(config)
     print(f"trained to step {result['step']} in {time.monotonic() - started:.0f} s; out: {args.train_out}")
     return 0
