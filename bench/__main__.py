@@ -36,6 +36,7 @@ BENCHMARKS = {
     "stall": "bench.stall",
     "constrained": "bench.constrained",
     "prefix": "bench.prefix",
+    "restart": "bench.restart",
 }
 RESULTS = HOME / "bench" / "RESULTS.md"
 HEADER = """# molt-proxy benchmarks

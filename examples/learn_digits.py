@@ -9,6 +9,9 @@ a few greedy episodes run as evaluation sessions (`"train": false`): never train
 reward logged per weight version.
 
     python examples/learn_digits.py      # writes runs/digits/ (reward_curve.png among it)
+
+Any other flag is the trainer's (`molt-proxy serve --help`), so the same task runs with your
+algorithm: `python examples/learn_digits.py --loss examples/algorithms/cispo.py:cispo`.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=5, help="greedy evaluation every N steps")
     parser.add_argument("--eval-episodes", type=int, default=4)
-    args = parser.parse_args()
+    args, trainer_flags = parser.parse_known_args()
     out = Path(args.out)
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -134,7 +137,7 @@ def main() -> None:
         "--max-model-len", "256", "--train",
         "--train-out", str(out / "train"), "--max-steps", str(args.steps), "--lr", str(args.lr),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
-        "--group-timeout", "30", "--seed", str(args.seed),
+        "--group-timeout", "30", "--seed", str(args.seed), *trainer_flags,
     ]  # fmt: skip
     # The proxy's log (one line per request) goes to a file; the progress lines are read back.
     log = out / "molt-proxy.log"

@@ -67,6 +67,14 @@ class GroupBuffer:
             del self._groups[group.group_id]
         return ready
 
+    def pop_all(self) -> list[Group]:
+        """Every group, oldest first, complete or not: nothing more will come (offline, at the
+        end of the file), so each is released as a timed-out one would be."""
+        ready = sorted(self._groups.values(), key=lambda g: g.opened)
+        self.timed_out += sum(len(g.sessions) < self.group_size for g in ready)
+        self._groups.clear()
+        return ready
+
     def pending(self) -> list[Trajectory]:
         """Everything buffered, in seq order, for the checkpoint (so a restart loses nothing)."""
         grouped = [t for g in self._groups.values() for t in g.trajectories]

@@ -49,6 +49,9 @@ class TrainerState:
     while they waited for a step."""
     dropped_flat_groups: int = 0
     """Groups whose episodes all had the same outcome, dropped by `drop_flat_groups`."""
+    dropped_filtered_groups: int = 0
+    """Groups the `--group-filter` plug-in refused. The plug-ins themselves are not saved:
+    a run resumed with another algorithm goes on from the same cursors."""
     evaluations: list[tuple[int, float]] = field(default_factory=list)
     """(weight version, reward) of the evaluation episodes not yet in a metrics record."""
     baseline: float | None = None

@@ -11,6 +11,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 from molt_proxy.config import default
 from trainer.advantage import Estimator
+from trainer.plugins import absolute
 
 Transport = Literal["files", "nccl", "ipc"]
 """How a refresh reaches vLLM (`trainer/transfer.py`)."""
@@ -80,8 +81,14 @@ class LossConfig:
     """How token terms add up to the loss (`trainer/loss.py` has the normalisations):
     token-mean weighs every token alike (DAPO); seq-mean-token-sum divides by a constant, the
     sequence count (Dr.GRPO, no length bias); seq-mean-token-mean weighs every sequence alike."""
+    loss: str = "ppo"
+    """The per-token policy loss, a plug-in (`trainer/plugins.py`) given a `loss.LossInputs`:
+    ppo (the built-in clipped surrogate of `trainer/loss.py`, with the knobs above),
+    `module:function` or `path/to/file.py:function`. A name, not a function: each process
+    (data-parallel workers too) resolves it."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "loss", absolute(self.loss))
         hints = get_type_hints(LossConfig)
         for f in fields(self):
             choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else ()
@@ -143,7 +150,22 @@ class TrainerConfig:
     """DAPO's dynamic sampling: a group whose episodes all had the same outcome (reward, and
     per-turn rewards with `turn_discount`) gives a group-relative estimator advantage 0
     everywhere; drop it before the step (counted: `dropped_flat_groups`) and wait for groups
-    with something to learn, so every step has `groups_per_step` informative groups."""
+    with something to learn, so every step has `groups_per_step` informative groups. The
+    built-in group filter `drop_flat` (`trainer/algorithms.py`)."""
+    advantage: str | None = None
+    """An advantage plug-in (`trainer/plugins.py`): `module:function` or `file.py:function`,
+    fn(group) -> one advantage per trajectory, or per turn of each. None: the built-in that
+    `estimator` names (per turn with `turn_discount`); a built-in's name sets `estimator`."""
+    group_filter: str | None = None
+    """A group-filter plug-in, fn(group) -> bool: whether a step takes a ready group (those
+    it refuses are consumed and counted, `dropped_filtered_groups`). `drop_flat` is
+    `drop_flat_groups`."""
+    reward_shaping: str | None = None
+    """A reward-shaping plug-in, fn(trajectory) -> a reward, or one per turn: what the
+    advantage sees instead of the posted reward (which stays in the record and `reward_mean`)."""
+    trajectories: Path | None = None
+    """Train offline from this `molt-proxy export` (JSONL or Parquet) instead of a proxy's
+    stream: the same steps, no proxy, no vLLM, no refresh (`trainer/source.py`)."""
     loss: LossConfig = field(default_factory=LossConfig)
     refresh_every: int = 1
     """Push new weights to vLLM after every this many steps."""
@@ -176,12 +198,14 @@ class TrainerConfig:
 
     @property
     def proxy_urls(self) -> list[str]:
-        return [self.proxy_url, *self.more_proxy_urls]
+        """The proxies followed and refreshed; none offline (`trajectories`)."""
+        return [] if self.trajectories is not None else [self.proxy_url, *self.more_proxy_urls]
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self.tensorboard = None if self.tensorboard is None else Path(self.tensorboard)
-        self.estimator = Estimator(self.estimator)
+        self.trajectories = None if self.trajectories is None else Path(self.trajectories).resolve()
+        self._plug_ins()
         for name in (
             "group_size",
             "groups_per_step",
@@ -203,10 +227,31 @@ class TrainerConfig:
                 f"drop_flat_groups needs a group-relative estimator: {self.estimator} learns from any group"
             )
         self._check_lora()
+        if self.trajectories is not None and self.more_proxy_urls:
+            raise ValueError("trajectories (offline) follows no proxy: drop --proxy-url")
         if self.loss.kl_coef > 0 and self.num_workers > 1:
             raise ValueError("kl_coef > 0 needs num_workers 1: the reference model is not sharded yet")
         if self.constrained_turns not in ("train", "skip"):
             raise ValueError(f"constrained_turns must be 'train' or 'skip', got {self.constrained_turns!r}")
+
+    def _plug_ins(self) -> None:
+        """A built-in's name is that built-in's own setting (`--advantage rloo` is `--estimator
+        rloo`, `--group-filter drop_flat` is `--drop-flat-groups`), so the checks and the
+        state they keep (REINFORCE's running baseline) stay one; a file path is made absolute
+        where the command was given."""
+        if self.advantage in {e.value for e in Estimator}:
+            self.estimator, self.advantage = Estimator(self.advantage), None
+        if self.group_filter == "drop_flat":
+            self.drop_flat_groups, self.group_filter = True, None
+        self.estimator = Estimator(self.estimator)
+        for name in ("advantage", "group_filter", "reward_shaping"):
+            if getattr(self, name) is not None:
+                setattr(self, name, absolute(getattr(self, name)))
+        if self.advantage is not None and self.turn_discount is not None:
+            raise ValueError(
+                f"turn_discount is the built-in estimators' per-turn credit; {self.advantage} "
+                "returns per-turn advantages itself, as it chooses"
+            )
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:
@@ -245,6 +290,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--groups-per-step", type=int, default=train("groups_per_step"))
     group.add_argument("--max-steps", type=int, default=train("max_steps"))
     group.add_argument("--estimator", choices=[e.value for e in Estimator], default=train("estimator").value)
+    plug_in = "a built-in name, module:function or path/to/file.py:function (trainer/plugins.py)"
+    group.add_argument(
+        "--advantage",
+        metavar="NAME",
+        help=f"fn(group: list[Trajectory]) -> one advantage per trajectory or per turn; {plug_in}; "
+        "default: --estimator's",
+    )
+    group.add_argument(
+        "--group-filter",
+        metavar="NAME",
+        help=f"fn(group: list[Trajectory]) -> bool: which ready groups a step takes; {plug_in}",
+    )
+    group.add_argument(
+        "--reward-shaping",
+        metavar="NAME",
+        help=f"fn(trajectory: Trajectory) -> float | list[float]: the reward (or per-turn rewards) "
+        f"the advantage sees instead of the posted one; {plug_in}",
+    )
     group.add_argument("--lr", type=float, default=train("lr"))
     group.add_argument("--micro-batch-size", type=int, default=train("micro_batch_size"))
     group.add_argument(
@@ -335,6 +398,8 @@ _LOSS_HELP = {
     "kl_in": "the penalty in each token's loss term (GRPO), or subtracted from the reward (PPO-RLHF)",
     "loss_agg": "token terms to loss: per token (DAPO), per sequence summed (Dr.GRPO, no length bias), "
     "or per sequence averaged (GRPO)",
+    "loss": "the per-token policy loss: ppo (built-in), module:function or path/to/file.py:function, "
+    "given a trainer.loss.LossInputs",
     "max_staleness": "tokens more than this many weight versions old are withheld and counted; none: any age",
 }
 """One line of why per `LossConfig` field; the flag, type, choices and default come from the field."""
@@ -375,6 +440,10 @@ def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> Tr
         estimator=Estimator(args.estimator),
         turn_discount=args.turn_discount,
         drop_flat_groups=args.drop_flat_groups,
+        advantage=args.advantage,
+        group_filter=args.group_filter,
+        reward_shaping=args.reward_shaping,
+        trajectories=getattr(args, "trajectories", None),
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         ppo_epochs=args.ppo_epochs,

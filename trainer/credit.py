@@ -1,10 +1,12 @@
 """What each trajectory's sampled tokens are credited with: the advantages of a step.
 
-Owns the step from rewards to advantages: by default a session's reward (less a KL penalty
-when `--kl-in reward`) is compared within its group by the estimator (`advantage.py`), and
-every sampled token of every segment of the session shares the result. With
-`--turn-discount`, each turn of a session gets its own advantage from per-turn returns
-(`advantage.py` has the formula), shared by that turn's sampled tokens. It does not decide
+Owns the step from rewards to advantages: what the advantage sees (`shape`: the rewards
+`--reward-shaping` makes, less a KL penalty when `--kl-in reward`), the advantage plug-in run
+on each group and its result checked (`advantages`), and the result laid on the tokens
+(`advantage_tensor`). By default that plug-in is the built-in estimator (`algorithms.py`): a
+session's reward compared within its group (`advantage.py`), shared by every sampled token of
+every segment of the session; with `--turn-discount`, each turn of a session gets its own
+advantage from per-turn returns, shared by that turn's sampled tokens. It does not decide
 which groups train (the loop) or weigh tokens in the loss (`loss.py`).
 
 KL in the reward (`--kl-coef beta --kl-in reward`): a trajectory's penalty is beta times the
@@ -14,29 +16,159 @@ policy that drew them; no extra forward of the trained model) and ref the frozen
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from molt_proxy.types import Trajectory
-from trainer.advantage import (
-    Estimator,
-    bounded,
-    compute_advantages,
-    turn_advantages,
-    turn_returns,
-)
-from trainer.advantage import is_flat as rewards_flat
+from trainer import plugins
+from trainer.advantage import Estimator, bounded
+from trainer.algorithms import drop_flat
 from trainer.batch import Batch
 from trainer.buffer import Group
 from trainer.config import LossConfig
 from trainer.loss import kl_estimate
+from trainer.plugins import Plugin, PluginError
 
 if TYPE_CHECKING:
     from trainer.policy import Policy
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+# 1. What the advantage sees --------------------------------------------------------------------
+
+
+def shape(
+    groups: list[Group],
+    shaping: Plugin | None = None,
+    penalties: list[list[float]] | None = None,
+    *,
+    by_turn: bool = False,
+    step: int = 0,
+) -> list[list[Trajectory]]:
+    """Each group's trajectories as the advantage sees them: copies whose rewards are
+    `--reward-shaping`'s (a float replaces the reward, a list the per-turn rewards) less the
+    KL penalties ([trajectories][turns], aligned with the groups' trajectories; `--kl-in
+    reward`). The records themselves keep the posted rewards.
+
+    A session's segments share one reward, so a change made per segment adds up over the
+    session: its reward is R + sum over its segments of (shaped - R), on all its segments.
+    The penalties are taken once: from each turn's reward (a turn without one counts 0) when
+    the advantage is per turn (`by_turn`, whose returns add them up), else from the session's
+    reward, all its segments' turns together."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    if penalties is None:
+        penalties = [[0.0] * len(t.turns) for t in trajectories]
+    out: list[list[Trajectory]] = []
+    rows = iter(zip(trajectories, penalties, strict=True))
+    for group in groups:
+        copies, session_rewards = [], {}
+        for t, penalty in (next(rows) for _ in group.trajectories):
+            reward, turn_rewards = t.reward, [turn.reward for turn in t.turns]
+            if shaping is not None:
+                reward, turn_rewards = _shaped(shaping, t, step, group.group_id)
+            total = bounded(session_rewards.get(t.session_id, t.reward) + (reward - t.reward))
+            session_rewards[t.session_id] = total if by_turn else bounded(total - sum(penalty))
+            if by_turn and any(penalty):
+                turn_rewards = [bounded((r or 0.0) - p) for r, p in zip(turn_rewards, penalty, strict=True)]
+            turns = [replace(turn, reward=r) for turn, r in zip(t.turns, turn_rewards, strict=True)]
+            copies.append(replace(t, turns=turns))
+        for copy in copies:
+            copy.reward = session_rewards[copy.session_id]
+        out.append(copies)
+    return out
+
+
+def _shaped(shaping: Plugin, t: Trajectory, step: int, group: str) -> tuple[float, list[float | None]]:
+    """(reward, per-turn rewards) of `t` under the shaping plug-in, its result checked."""
+    value = plugins.call(shaping, t, f"step {step}, group {group}, trajectory {t.trajectory_id}")
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value), [turn.reward for turn in t.turns]
+    if isinstance(value, list | tuple) and len(value) == len(t.turns) and _finite(value):
+        return t.reward, [float(v) for v in value]
+    raise PluginError(
+        f"{shaping} returned {value!r} for trajectory {t.trajectory_id} (step {step}, group {group}): "
+        f"a finite reward, or one per turn ({len(t.turns)})"
+    )
+
+
+def _finite(values: Sequence[object]) -> bool:
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
+# 2. Advantages --------------------------------------------------------------------------------
+
+
+def builtin_advantage(
+    estimator: Estimator | str, baseline: float | None, turn_discount: float | None
+) -> Plugin:
+    """The built-in that `--estimator` (and `--turn-discount`) name, with what the loop
+    keeps for it bound: the running baseline, the discount."""
+    estimator = Estimator(estimator)
+    if turn_discount is not None:
+        plugin = plugins.resolve("advantage", "turn_credit")
+        bound = partial(plugin.fn, estimator=estimator, discount=turn_discount, baseline=baseline or 0.0)
+        return Plugin("advantage", f"turn_credit (--turn-discount {turn_discount})", bound)
+    plugin = plugins.resolve("advantage", estimator.value)
+    if estimator is Estimator.REINFORCE_BASELINE:
+        return Plugin("advantage", plugin.spec, partial(plugin.fn, baseline=baseline or 0.0))
+    return plugin
+
+
+def advantages(plugin: Plugin, groups: list[list[Trajectory]], step: int = 0) -> list[float | list[float]]:
+    """The plug-in's advantages of every group, in order, each checked: one finite number per
+    trajectory, or a list of one per turn; anything else stops the run, naming the group."""
+    out: list[float | list[float]] = []
+    for group in groups:
+        where = f"step {step}, group {group[0].group_id}"
+        values = plugins.call(plugin, group, where)
+        if not isinstance(values, list | tuple) or len(values) != len(group):
+            count = len(values) if isinstance(values, list | tuple) else type(values).__name__
+            raise PluginError(
+                f"{plugin} returned {count} advantages for the {len(group)} trajectories of {where}: "
+                "one per trajectory, or one list per trajectory with one per turn"
+            )
+        for t, value in zip(group, values, strict=True):
+            if isinstance(value, list | tuple):
+                if len(value) != len(t.turns) or not _finite(value):
+                    raise PluginError(
+                        f"{plugin} returned {list(value)} for trajectory {t.trajectory_id} of {len(t.turns)} "
+                        f"turns ({where}): one finite advantage per turn"
+                    )
+                out.append([float(v) for v in value])
+            elif isinstance(value, int | float) and math.isfinite(value):
+                out.append(float(value))
+            else:
+                raise PluginError(f"{plugin} returned {value!r} for {t.trajectory_id} ({where}): not finite")
+    return out
+
+
+def advantage_tensor(
+    values: list[float | list[float]], trajectories: list[Trajectory], length: int
+) -> Tensor:
+    """The loss's advantages: [B] when every trajectory has one, else [B,T] (T = `length`):
+    per-turn values on their turn's sampled tokens, a per-trajectory one on its whole row.
+
+    float32, as the loss computes: an advantage past float32's largest (~3.4e38, a Dr.GRPO or
+    RLOO of rewards beyond it) saturates there instead of becoming inf (or, on a turn's
+    tokens, a RuntimeError). The loss and its gradient scale with it all the same: the proxy
+    bounds rewards (`--reward-range`, +-1e6 by default) long before that."""
+    if all(isinstance(v, float) for v in values):
+        return torch.tensor([_float32(v) for v in values])
+    out = torch.zeros(len(trajectories), length)
+    for row, (t, value) in enumerate(zip(trajectories, values, strict=True)):
+        if isinstance(value, float):
+            out[row] = _float32(value)
+            continue
+        for turn, v in zip(t.turns, value, strict=True):
+            out[row, turn.completion_start : turn.completion_end] = _float32(v)
+    return out
 
 
 def group_advantages(
@@ -46,24 +178,9 @@ def group_advantages(
     *,
     penalties: list[list[float]] | None = None,
 ) -> list[float]:
-    """One advantage per trajectory (in the groups' order): computed over the group's sessions
-    (one reward each, less the penalties of all its segments' turns) and shared by all
-    segments of a session. penalties: [trajectories][turns], aligned with the groups'
-    trajectories; None: none."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    penalty = dict.fromkeys((t.seq for t in trajectories), 0.0)
-    if penalties is not None:
-        penalty = {t.seq: bounded(sum(p)) for t, p in zip(trajectories, penalties, strict=True)}
-    advantages = []
-    for group in groups:
-        rewards: dict[str, float] = {}
-        for t in group.trajectories:
-            rewards[t.session_id] = bounded(rewards.get(t.session_id, t.reward) - penalty[t.seq])
-        sessions = list(rewards)
-        values = compute_advantages([rewards[s] for s in sessions], estimator, baseline=baseline or 0.0)
-        by_session = dict(zip(sessions, values, strict=True))
-        advantages += [by_session[t.session_id] for t in group.trajectories]
-    return advantages
+    """One advantage per trajectory (in the groups' order) by the built-in estimator, over
+    the groups' sessions less the penalties ([trajectories][turns]; None: none)."""
+    return advantages(builtin_advantage(estimator, baseline, None), shape(groups, None, penalties))
 
 
 def step_advantages(
@@ -75,23 +192,13 @@ def step_advantages(
     *,
     penalties: list[list[float]] | None = None,
 ) -> Tensor:
-    """The step's advantages as the loss takes them: [B] one per trajectory, or with
-    `turn_discount` [B,T] (T = `length`) one per turn on its sampled tokens.
-
-    float32, as the loss computes: an advantage past float32's largest (~3.4e38, a Dr.GRPO or
-    RLOO of rewards beyond it) saturates there instead of becoming inf (or, on a turn's
-    tokens, a RuntimeError). The loss and its gradient scale with it all the same: the proxy
-    bounds rewards (`--reward-range`, +-1e6 by default) long before that."""
+    """The built-in estimators' advantages as the loss takes them: [B] one per trajectory,
+    or with `turn_discount` [B,T] (T = `length`) one per turn on its sampled tokens."""
+    plugin = builtin_advantage(estimator, baseline, turn_discount)
+    values = advantages(plugin, shape(groups, None, penalties, by_turn=turn_discount is not None))
     if turn_discount is None:
-        values = group_advantages(groups, estimator, baseline, penalties=penalties)
-        return torch.tensor([_float32(v) for v in values])
-    trajectories = [t for g in groups for t in g.trajectories]
-    per_turn = group_turn_advantages(groups, estimator, baseline, turn_discount, penalties=penalties)
-    advantages = torch.zeros(len(trajectories), length)
-    for row, (t, values) in enumerate(zip(trajectories, per_turn, strict=True)):
-        for turn, value in zip(t.turns, values, strict=True):
-            advantages[row, turn.completion_start : turn.completion_end] = _float32(value)
-    return advantages
+        return advantage_tensor(values, [], length)
+    return advantage_tensor(values, [t for g in groups for t in g.trajectories], length)
 
 
 def _float32(value: float) -> float:
@@ -99,57 +206,14 @@ def _float32(value: float) -> float:
     return max(-_FLOAT32_MAX, min(_FLOAT32_MAX, value))
 
 
-def group_turn_advantages(
-    groups: list[Group],
-    estimator: Estimator,
-    baseline: float | None,
-    discount: float,
-    *,
-    penalties: list[list[float]] | None = None,
-) -> list[list[float]]:
-    """[trajectories][turns] A_ik (`advantage.py`): a session's turns run over its segments in
-    order; per-turn rewards less the turn's penalty, the final reward on the last turn."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    if penalties is None:
-        penalties = [[0.0] * len(t.turns) for t in trajectories]
-    penalty = {t.seq: p for t, p in zip(trajectories, penalties, strict=True)}
-    out: list[list[float]] = []
-    for group in groups:
-        rewards: dict[str, list[float]] = {}
-        for t in group.trajectories:
-            turns = rewards.setdefault(t.session_id, [])
-            turns += [
-                bounded((turn.reward or 0.0) - p) for turn, p in zip(t.turns, penalty[t.seq], strict=True)
-            ]
-        finals = {t.session_id: t.reward for t in group.trajectories}
-        sessions = list(rewards)
-        returns = [turn_returns(rewards[s], finals[s], discount) for s in sessions]
-        advantages = dict(
-            zip(sessions, turn_advantages(returns, estimator, baseline=baseline or 0.0), strict=True)
-        )
-        taken = dict.fromkeys(sessions, 0)
-        for t in group.trajectories:
-            start = taken[t.session_id]
-            out.append(advantages[t.session_id][start : start + len(t.turns)])
-            taken[t.session_id] = start + len(t.turns)
-    return out
-
-
 def is_flat(group: Group, *, by_turn: bool) -> bool:
-    """Whether every session of the group had the same outcome: the same final reward, and
-    with `by_turn` (per-turn credit) the same number of turns and the same per-turn rewards,
-    turn by turn (a turn without a reward counts 0, as in its return). "The same" is within
-    `advantage.FLAT_RTOL` of the values' scale, as the estimators judge a group flat: a
-    group-relative estimator then gives every token exactly advantage 0 (a group of one
-    session is flat)."""
-    outcomes: dict[str, list[float]] = {}
-    for t in group.trajectories:
-        outcome = outcomes.setdefault(t.session_id, [t.reward or 0.0])
-        if by_turn:
-            outcome += [turn.reward or 0.0 for turn in t.turns]
-    if len({len(o) for o in outcomes.values()}) > 1:
-        return False
-    return all(rewards_flat(position) for position in zip(*outcomes.values(), strict=True))
+    """Whether every session of the group had the same outcome (`algorithms.drop_flat`): the
+    same final reward, and with `by_turn` (per-turn credit) the same number of turns and the
+    same per-turn rewards, turn by turn (a turn without a reward counts 0, as in its return).
+    "The same" is within `advantage.FLAT_RTOL` of the values' scale, as the estimators judge
+    a group flat: a group-relative estimator then gives every token exactly advantage 0 (a
+    group of one session is flat)."""
+    return not drop_flat(group.trajectories, by_turn=by_turn)
 
 
 def turn_sums(values: Tensor, loss_mask: Tensor, trajectories: list[Trajectory]) -> list[list[float]]:

@@ -44,16 +44,17 @@ import httpx
 import torch
 
 from molt_proxy.types import Trajectory
-from trainer import checkpoint, evaluation, transfer
+from trainer import checkpoint, credit, evaluation, plugins, transfer
 from trainer.advantage import Estimator, update_baseline
 from trainer.batch import Batch, collate
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
-from trainer.credit import is_flat, reward_kl, step_advantages
+from trainer.credit import is_flat, reward_kl
 from trainer.loss import count_loss_tokens
 from trainer.metrics import MetricsLog, plot_reward_curve, read
+from trainer.plugins import Plugin
 from trainer.report import AdvantageReport
-from trainer.source import TrajectoryStream
+from trainer.source import ExportSource, TrajectoryStream
 
 log = logging.getLogger(__name__)
 _BASELINE_DECAY = 0.9
@@ -95,6 +96,9 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.config = config
+        self.plugins = resolve_plugins(config)
+        """The algorithm's plug-ins, resolved and checked before anything loads: a wrong name
+        or signature stops the run here, before its first step."""
         self.transport, why = transfer.choose(
             config.weight_transfer,
             cuda=torch.cuda.is_available(),
@@ -128,21 +132,31 @@ class Trainer:
                 self.state.version,
                 self.state.cursors,
             )
-        self.state.follow(len(config.proxy_urls))
+        self.state.follow(len(config.proxy_urls) or 1)  # offline: the file's cursor
 
     def run(self) -> dict[str, Any]:
         config, state = self.config, self.state
-        buffer = GroupBuffer(config.group_size, config.group_timeout_s)
+        # Offline, time stands still until the file is read to its end (`ExportSource`).
+        clock = (lambda: 0.0) if config.trajectories is not None else time.monotonic
+        buffer = GroupBuffer(config.group_size, config.group_timeout_s, clock=clock)
         for trajectory in state.pending:
             buffer.add(trajectory)
         self._refresh()  # vLLM must serve this policy, whatever it served before (a restart)
-        stream = TrajectoryStream(config.proxy_urls, state.cursors, admin_key=config.admin_key).start()
+        if config.trajectories is not None:
+            stream: TrajectoryStream | ExportSource = ExportSource(config.trajectories, state.cursors[0])
+        else:
+            stream = TrajectoryStream(config.proxy_urls, state.cursors, admin_key=config.admin_key)
+        stream.start()
         ready: list[Group] = []
         try:
             while self._steps_done() < config.max_steps:
                 taken = stream.get(timeout_s=0.2)
                 if taken is not None:
                     self._take(*taken, buffer)
+                elif config.trajectories is not None and stream.exhausted:
+                    ready += self._admit(buffer.pop_all())
+                    if len(ready) < config.groups_per_step:
+                        break  # the file is done; what is left waits in the checkpoint
                 ready += self._admit(buffer.pop_ready())
                 if len(ready) >= config.groups_per_step:
                     groups, ready = ready[: config.groups_per_step], ready[config.groups_per_step :]
@@ -162,7 +176,8 @@ class Trainer:
         self.state.cursors[source] = trajectory.seq
         if not evaluation.is_evaluation(trajectory):
             buffer.add(trajectory)
-            self.report.taken(source, trajectory.trajectory_id)
+            if self.config.proxy_urls:
+                self.report.taken(source, trajectory.trajectory_id)
             return False
         evaluation.take(self.state, trajectory)
         self.evaluating = True
@@ -179,7 +194,7 @@ class Trainer:
             return
         deadline = time.monotonic() + self.config.group_timeout_s
         quiet_until = time.monotonic() + evaluation.WAIT_S
-        while time.monotonic() < min(quiet_until, deadline):
+        while self.config.trajectories is None and time.monotonic() < min(quiet_until, deadline):
             taken = stream.get(timeout_s=0.2)
             if taken is not None and self._take(*taken, buffer):
                 quiet_until = time.monotonic() + evaluation.WAIT_S
@@ -193,8 +208,10 @@ class Trainer:
     def _admit(self, groups: list[Group]) -> list[Group]:
         """The groups a step can learn from; the others are dropped, their trajectories
         consumed, and counted: every sampled token stale (`dropped_stale_groups`), or, with
-        `drop_flat_groups`, every episode's outcome the same (`dropped_flat_groups`)."""
+        `drop_flat_groups`, every episode's outcome the same (`dropped_flat_groups`), or
+        refused by the `--group-filter` plug-in (`dropped_filtered_groups`)."""
         state, kept = self.state, []
+        group_filter = self.plugins["group_filter"]
         for group in groups:
             if not has_fresh_tokens(group, state.version, self.config.loss.max_staleness):
                 state.dropped_stale_groups += 1
@@ -204,17 +221,28 @@ class Trainer:
             ):
                 state.dropped_flat_groups += 1
                 log.info("dropped group %s: every episode's outcome is the same", group.group_id)
+            elif group_filter is not None and not self._filter_takes(group_filter, group):
+                state.dropped_filtered_groups += 1
+                log.info("dropped group %s: %s refused it", group.group_id, group_filter)
             else:
                 kept.append(group)
                 continue
             state.consumed += [t.trajectory_id for t in group.trajectories]
         return kept
 
+    def _filter_takes(self, group_filter: Plugin, group: Group) -> bool:
+        where = f"step {self.state.step + 1}, group {group.group_id}"
+        taken = plugins.call(group_filter, group.trajectories, where)
+        if not isinstance(taken, bool):
+            raise plugins.PluginError(f"{group_filter} returned {taken!r} at {where}: True or False")
+        return taken
+
     def _steps_done(self) -> int:
-        """Steps taken and skipped, and a step per `groups_per_step` flat groups dropped."""
+        """Steps taken and skipped, and a step per `groups_per_step` groups dropped as flat or
+        by the group filter (a filter that refuses everything must not keep a run alive)."""
         state = self.state
-        flat = state.dropped_flat_groups // self.config.groups_per_step
-        return state.step + sum(state.skipped_steps.values()) + flat
+        dropped = (state.dropped_flat_groups + state.dropped_filtered_groups) // self.config.groups_per_step
+        return state.step + sum(state.skipped_steps.values()) + dropped
 
     @property
     def _by_turn(self) -> bool:
@@ -237,15 +265,21 @@ class Trainer:
             train_greedy=config.train_greedy,
             train_constrained=config.constrained_turns == "train",
         )
-        penalties, kl_metrics = self._reward_kl(batch, trajectories)
-        batch.advantages = step_advantages(
+        penalties, reward_metrics = self._reward_kl(batch, trajectories)
+        shaped = credit.shape(
             groups,
-            config.estimator,
-            state.baseline,
-            config.turn_discount,
-            batch.input_ids.shape[1],
-            penalties=penalties,
+            self.plugins["reward_shaping"],
+            penalties,
+            by_turn=config.turn_discount is not None,
+            step=state.step + 1,
         )
+        advantage = self.plugins["advantage"] or credit.builtin_advantage(
+            config.estimator, state.baseline, config.turn_discount
+        )
+        values = credit.advantages(advantage, shaped, step=state.step + 1)
+        batch.advantages = credit.advantage_tensor(values, trajectories, batch.input_ids.shape[1])
+        if self.plugins["reward_shaping"] is not None:
+            reward_metrics["shaped_reward_mean"] = _mean_by_session([t for g in shaped for t in g])
         state.pending = pending
         if not bool(batch.advantages.any()) and not self._loss_beyond_advantages:
             return self._skip(trajectories, "zero_advantage")
@@ -260,7 +294,7 @@ class Trainer:
             return self._skip(trajectories, "masked")
         compute_s = time.monotonic() - started
         rewards = session_rewards(trajectories)
-        if config.estimator == Estimator.REINFORCE_BASELINE:
+        if config.advantage is None and config.estimator == Estimator.REINFORCE_BASELINE:
             state.baseline = update_baseline(state.baseline, rewards, _BASELINE_DECAY)
         state.step += 1
         state.version += 1
@@ -270,7 +304,8 @@ class Trainer:
         self.recorded_evaluations, state.evaluations = state.evaluations, []
         checkpoint.save(self.checkpoint_dir, state, self.policy.state_dict())
         refresh_s = self._refresh() if state.step % config.refresh_every == 0 else 0.0
-        self.report.post(trajectories, batch.advantages, state.step, state.version)
+        if config.proxy_urls:
+            self.report.post(trajectories, batch.advantages, state.step, state.version)
         sampled = [
             (state.version - 1) - v
             for t in trajectories
@@ -294,11 +329,12 @@ class Trainer:
             "step_s": time.monotonic() - started,
             "time": time.time(),
             **step_metrics,
-            **kl_metrics,
+            **reward_metrics,
             **batch.sampling.counts(),
             "optimizer_steps_total": state.optimizer_steps,
             "dropped_stale_groups": state.dropped_stale_groups,
             "dropped_flat_groups": state.dropped_flat_groups,
+            "dropped_filtered_groups": state.dropped_filtered_groups,
             "replicas_behind": self.replicas_behind,
             "advantage_posts_failed": self.report.failed,
             **({"eval_reward": evaluations} if evaluations else {}),
@@ -338,7 +374,9 @@ class Trainer:
 
     def _refresh(self) -> float:
         """Save the current weights (or adapter) and have every proxy load them into each of
-        its replicas."""
+        its replicas. Offline there is no vLLM: nothing to do."""
+        if self.config.trajectories is not None:
+            return 0.0
         started = time.monotonic()
         folder = (self.config.out_dir / "weights" / f"v{self.state.version}").resolve()
         self.policy.save_weights(folder)
@@ -376,6 +414,22 @@ class Trainer:
                 self.transport, self.config.proxy_url, headers, self.policy.model
             )
         return self._engine.send(str(folder), self.state.version)
+
+
+def resolve_plugins(config: TrainerConfig) -> dict[str, Plugin | None]:
+    """The run's plug-ins by kind, checked (`plugins.resolve`); None where the built-in
+    settings decide (`--estimator`, `--drop-flat-groups`, no shaping). The loss is resolved
+    here for its check only: each process resolves it again by name (`policy.loss_plugin`)."""
+    plugins.resolve("loss", config.loss.loss)
+    return {
+        kind: None if getattr(config, kind) is None else plugins.resolve(kind, getattr(config, kind))
+        for kind in ("advantage", "group_filter", "reward_shaping")
+    }
+
+
+def _mean_by_session(trajectories: list[Trajectory]) -> float:
+    rewards = session_rewards(trajectories)
+    return sum(rewards) / len(rewards)
 
 
 def _prune_weights(folder: Path, keep: int) -> None:

@@ -66,6 +66,9 @@ reproduce weigh ~0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -145,7 +148,54 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
     return x.exp() - 1.0 - x
 
 
-# 3. The loss --------------------------------------------------------------------------------
+# 3. The loss plug point --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LossInputs:
+    """What a loss (`--loss`, `trainer/plugins.py`) gets for one micro-batch of B sequences
+    (rows: one segment each, right-padded to T). Every [B,T] tensor is aligned to token
+    positions (column t holds token t's values: its logprob given the tokens before it) and
+    is 0 wherever `loss_mask` is False, so padding's arbitrary values (even -inf) never reach
+    a loss or its gradient."""
+
+    logprobs: Tensor
+    """[B,T] float32 log pi of each token under the weights being trained: the one input with
+    a gradient, under the temperature and truncation the token was sampled with."""
+    old_logprobs: Tensor
+    """[B,T] log pi_old, the weights at the start of the step (the proximal policy); equal to
+    `logprobs` (detached) in a step's first update."""
+    rollout_logprobs: Tensor
+    """[B,T] log mu, what vLLM recorded when it sampled the token."""
+    advantages: Tensor
+    """[B,T] each token's advantage (a per-trajectory one on every token of the row)."""
+    loss_mask: Tensor
+    """[B,T] bool: the tokens that train. Sampled by the policy, reproducible, not greedy or
+    constrained unless asked (`--train-greedy`, `--constrained-turns train`), and at most
+    `max_staleness` weight versions old."""
+    reproducible: Tensor
+    """[B,T] bool: the trainer recomputes exactly the distribution vLLM drew the token from
+    (`sampling.py`); False for a turn with penalties or logit_bias, or recorded without its
+    sampling. Unreproducible tokens are never in `loss_mask`."""
+    shares: Tensor
+    """[B,T] c_i, a token's weight under `--loss-agg` (1, or 1/n_i) on `loss_mask`, 0 elsewhere."""
+    denominator: int
+    """D of the whole optimizer step (`--loss-agg`): summing `shares * term / D` over the
+    step's micro-batches gives the full-batch loss, however it was split."""
+    config: LossConfig
+    """The `--clip-*`, `--is-*`, `--kl-*` and `--entropy-coef` knobs, for a loss that reads them."""
+    entropy: Tensor | None = None
+    """[B,T] entropy of pi where the token was drawn, with a gradient if `entropy_coef` > 0."""
+    ref_logprobs: Tensor | None = None
+    """[B,T] log ref under the frozen initial weights; only with `--kl-coef` > 0 and `--kl-in loss`."""
+    kl_logprobs: Tensor | None = None
+    """[B,T] `logprobs` with the support extended where truncation dropped the token: the pi a
+    KL against `ref_logprobs` compares (module docstring)."""
+
+    def aggregate(self, per_token: Tensor) -> Tensor:
+        """The micro-batch's share of the step's loss from [B,T] per-token terms: sum c_i * l_t / D."""
+        kept = torch.where(self.loss_mask, per_token, torch.zeros_like(per_token))
+        return (kept * self.shares).sum() / max(self.denominator, 1)
 
 
 def policy_loss(
@@ -162,8 +212,10 @@ def policy_loss(
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_logprobs: Tensor | None = None,
+    reproducible: Tensor | None = None,
+    loss_fn: Callable[[LossInputs], tuple[Tensor, dict[str, float]]] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The clipped, importance-weighted policy loss of one micro-batch, and its metrics.
+    """The loss of one micro-batch under `loss_fn` (default `clipped_surrogate`), and its metrics.
 
     logprobs: [B,T] log pi of each token under the current weights, with gradient.
     rollout_logprobs: [B,T] log mu recorded by vLLM (0.0 where loss_mask is 0).
@@ -182,13 +234,12 @@ def policy_loss(
         logged, and `kl_coef` times it added to each kept token's term when `kl_in` is loss.
     kl_logprobs: [B,T] log pi for the KL term, with gradient: `logprobs` with the support
         extended where truncation dropped the token (module docstring); None uses `logprobs`.
+    reproducible: [B,T] bool (`TokenSampling.reproducible`); None: every token.
 
-    Metrics (over this micro-batch's kept tokens): `kept_tokens`; `stale_tokens` withheld;
-    `clip_frac_low` / `clip_frac_high`, the share whose gradient the clip removes;
-    `is_ratio_mean` / `is_ratio_max` of exp(pi_old - mu) at the configured level;
-    `is_truncated_frac` / `is_masked_frac`, the share whose weight was capped / zeroed;
-    `approx_kl`, the k3 estimate of KL(mu || pi): mean of rho - 1 - log rho, rho = pi / mu;
-    `entropy`, the mean entropy, and `kl_ref`, the mean `kl_estimate` (each when given).
+    Metrics of every loss (over this micro-batch's kept tokens): `kept_tokens`;
+    `stale_tokens` withheld; `approx_kl`, the k3 estimate of KL(mu || pi): mean of
+    rho - 1 - log rho, rho = pi / mu; `entropy`, the mean entropy (when given); then the
+    loss's own (`clipped_surrogate` lists the built-in's), each a mean over kept tokens.
     """
     _check_shapes(logprobs, rollout_logprobs, old_logprobs, advantages, loss_mask, weight_versions)
     kept = _kept(loss_mask, weight_versions, current_version, config)
@@ -200,65 +251,94 @@ def policy_loss(
             f"denominator={denominator} is below this micro-batch's own {local} "
             f"({config.loss_agg}); sum loss_denominator over the step"
         )
-
-    rollout = rollout_logprobs.detach()
-    old = rollout if old_logprobs is None else old_logprobs.detach()
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     zeros = torch.zeros_like(logprobs)
-    # Padding may hold any value (even -inf); zero the log ratios there before exp so that
-    # neither the loss nor the gradient can become inf or nan.
-    log_r = torch.where(kept, logprobs - old, zeros)
+
+    def on_kept(values: Tensor | None) -> Tensor | None:
+        # Padding may hold any value (even -inf): zeroed before any exp, so that neither the
+        # loss nor the gradient can become inf or nan.
+        return None if values is None else torch.where(kept, values, zeros)
+
+    rollout = on_kept(rollout_logprobs.detach())
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    inputs = LossInputs(
+        logprobs=on_kept(logprobs),
+        old_logprobs=rollout if old_logprobs is None else on_kept(old_logprobs.detach()),
+        rollout_logprobs=rollout,
+        advantages=on_kept(adv.expand_as(logprobs).to(logprobs.dtype)),
+        loss_mask=kept,
+        reproducible=torch.ones_like(kept) if reproducible is None else reproducible.bool(),
+        shares=_token_shares(kept, config, logprobs.dtype),
+        denominator=denominator,
+        config=config,
+        entropy=on_kept(entropy),
+        ref_logprobs=on_kept(ref_logprobs),
+        kl_logprobs=on_kept(kl_logprobs),
+    )
+    loss, own = (loss_fn or clipped_surrogate)(inputs)
+    with torch.no_grad():
+        share = 1.0 / max(int(kept.sum()), 1)
+        rho_log = inputs.logprobs - rollout
+        metrics = {
+            "kept_tokens": float(kept.sum()),
+            "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
+            "approx_kl": share * float((rho_log.exp() - 1.0 - rho_log).sum()),
+        }
+        if entropy is not None:
+            metrics["entropy"] = share * float(entropy[kept].sum())
+    return loss, {**metrics, **{name: float(value) for name, value in own.items()}}
+
+
+# 4. The built-in loss -----------------------------------------------------------------------
+
+
+def clipped_surrogate(inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
+    """The built-in `--loss ppo`: the decoupled PPO loss of the module docstring, with its
+    train/rollout importance weights, entropy bonus and KL term as `inputs.config` sets them.
+
+    Metrics (over kept tokens): `clip_frac_low` / `clip_frac_high`, the share whose gradient
+    the clip removes; `is_ratio_mean` / `is_ratio_max` of exp(pi_old - mu) at the configured
+    level; `is_truncated_frac` / `is_masked_frac`, the share whose weight was capped / zeroed;
+    `kl_ref`, the mean `kl_estimate` (with a reference).
+    """
+    config, kept, adv = inputs.config, inputs.loss_mask, inputs.advantages
+    log_r = inputs.logprobs - inputs.old_logprobs
     if config.ratio_level == "sequence":
         log_r = _sequence_mean(log_r, kept)
     r = log_r.exp()
     with torch.no_grad():
-        is_ratio, weight = _importance_weights(torch.where(kept, old - rollout, zeros), kept, config)
-
+        is_ratio, weight = _importance_weights(inputs.old_logprobs - inputs.rollout_logprobs, kept, config)
     surrogate = torch.minimum(r * adv, r.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv)
     per_token = -weight * surrogate
-    if entropy is not None and config.entropy_coef > 0:
-        per_token = per_token - config.entropy_coef * entropy
-    if ref_logprobs is not None:
-        # zeros off the kept tokens, as for the ratios: padding's -inf would make nan gradients
-        pi = logprobs if kl_logprobs is None else kl_logprobs
-        kl_ref = kl_estimate(
-            torch.where(kept, pi, zeros), torch.where(kept, ref_logprobs, zeros), config.kl_estimator
-        )
+    if inputs.entropy is not None and config.entropy_coef > 0:
+        per_token = per_token - config.entropy_coef * inputs.entropy
+    if inputs.ref_logprobs is not None:
+        pi = inputs.logprobs if inputs.kl_logprobs is None else inputs.kl_logprobs
+        kl_ref = kl_estimate(pi, inputs.ref_logprobs, config.kl_estimator)
         if config.kl_in == "loss":
             per_token = per_token + config.kl_coef * kl_ref
-    per_token = torch.where(kept, per_token, zeros)
-    loss = (per_token * _token_shares(kept, config, per_token.dtype)).sum() / max(denominator, 1)
-
+    loss = inputs.aggregate(per_token)
     with torch.no_grad():
-        metrics = _metrics(kept, loss_mask, adv, r, is_ratio, weight, config)
-        share = 1.0 / max(int(kept.sum()), 1)
-        rho_log = torch.where(kept, logprobs - rollout, zeros)
-        metrics["approx_kl"] = share * float((rho_log.exp() - 1.0 - rho_log).sum())
-        if entropy is not None:
-            metrics["entropy"] = share * float(entropy[kept].sum())
-        if ref_logprobs is not None:
-            metrics["kl_ref"] = share * float(kl_ref[kept].sum())
+        metrics = _metrics(kept, adv, r, is_ratio, weight, config)
+        if inputs.ref_logprobs is not None:
+            metrics["kl_ref"] = float(kl_ref[kept].sum()) / max(int(kept.sum()), 1)
     return loss, metrics
 
 
 def _metrics(
     kept: Tensor,
-    loss_mask: Tensor,
     adv: Tensor,
     r: Tensor,
     is_ratio: Tensor,
     weight: Tensor,
     config: LossConfig,
 ) -> dict[str, float]:
-    """Token counts, and the clip and importance-weight statistics over kept tokens."""
+    """The clip and importance-weight statistics over kept tokens."""
     local_tokens = int(kept.sum())
     share = 1.0 / max(local_tokens, 1)
     # the min picks the clipped term (no gradient) only on the side the advantage points to
     clipped_low = kept & (adv < 0) & (r < 1.0 - config.clip_low)
     clipped_high = kept & (adv > 0) & (r > 1.0 + config.clip_high)
     return {
-        "kept_tokens": float(local_tokens),
-        "stale_tokens": float((loss_mask.bool() & ~kept).sum()),
         "clip_frac_low": share * float(clipped_low.sum()),
         "clip_frac_high": share * float(clipped_high.sum()),
         "is_ratio_mean": share * float(is_ratio[kept].sum()),

@@ -22,7 +22,7 @@ and decay. `optimizer_steps` in the metrics counts the updates taken.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainer import prefix
+from trainer import plugins, prefix
 from trainer.batch import Batch
 from trainer.config import LossConfig
-from trainer.loss import loss_denominator, policy_loss
+from trainer.loss import LossInputs, loss_denominator, policy_loss
 from trainer.sampling import TokenSampling, processed_logprobs, processed_logprobs_and_entropy
 
 # 1. Logprobs --------------------------------------------------------------------------------
@@ -325,6 +325,8 @@ class Policy:
                 entropy=entropy,
                 ref_logprobs=self._reference_for_loss(micro_batch, loss),
                 kl_logprobs=kl_logprobs,
+                reproducible=mb.sampling.reproducible,
+                loss_fn=loss_plugin(loss.loss, f"step {current_version + 1}, micro-batch {i}"),
             )
             value.backward()
             parts.append({"loss": value.item(), **metrics})
@@ -394,6 +396,21 @@ class Policy:
             self.optimizer.state.clear()  # saved before the first step: Adam starts afresh
         else:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+
+
+def loss_plugin(spec: str, where: str) -> Callable[[LossInputs], tuple[Tensor, dict[str, float]]]:
+    """The `--loss` plug-in `spec`, called through `plugins.call` (an exception names it and
+    `where`), its result checked: a scalar tensor and a dict of numbers."""
+    plugin = plugins.resolve("loss", spec)
+
+    def run(inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
+        result = plugins.call(plugin, inputs, where)
+        ok = isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)
+        if not ok or not isinstance(result[0], Tensor) or result[0].dim() != 0:
+            raise plugins.PluginError(f"{plugin} must return (a scalar tensor, a dict of metrics) at {where}")
+        return result
+
+    return run
 
 
 def _shard(model: nn.Module) -> None:

@@ -1,5 +1,7 @@
 """Run the trainer as a Ray actor and show its progress: `python -m trainer` or
-`molt-proxy serve --train`."""
+`molt-proxy serve --train`. Offline (`python -m trainer --trajectories FILE`) it runs in this
+process, without Ray: one model, no proxy to follow, nothing to place; it starts faster and
+nothing but the seed decides what it does."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import ray
 
 from molt_proxy.ray_replicas import join_cluster
 from trainer.config import TrainerConfig, add_arguments, config_from_args
-from trainer.loop import Trainer
+from trainer.loop import Trainer, resolve_plugins
 from trainer.metrics import progress_line, read
+from trainer.plugins import PluginError
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +50,39 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
             return result
 
 
+def train_offline(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Run the trainer in this process on `config.trajectories`, to the file's end or `max_steps`."""
+    result = Trainer(config).run()
+    if show_progress:
+        for record in read(config.out_dir / "metrics.jsonl"):
+            print(progress_line(record, config.max_steps), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
     parser.add_argument("--model", required=True, help="initial weights: the model vLLM serves")
     parser.add_argument("--admin-key")
+    parser.add_argument(
+        "--trajectories",
+        metavar="FILE",
+        help="train offline from a `molt-proxy export` (JSONL or Parquet): the same steps, no proxy, "
+        "no vLLM, no refresh, deterministic under --seed",
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.proxy_url:
-        parser.error("give at least one --proxy-url")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.proxy_url and not args.trajectories:
+        parser.error("give at least one --proxy-url, or --trajectories FILE")
+    if args.proxy_url and args.trajectories:
+        parser.error("--trajectories trains offline: it follows no --proxy-url")
     started = time.monotonic()
-    first, args.proxy_url = args.proxy_url[0], args.proxy_url[1:]
-    result = train(config_from_args(args, first, args.model))
+    first, args.proxy_url = (args.proxy_url or [""])[0], (args.proxy_url or [])[1:]
+    try:
+        config = config_from_args(args, first, args.model)
+        resolve_plugins(config)  # a wrong name or signature: an error now, not in the actor
+    except (ValueError, PluginError) as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = (train_offline if config.trajectories is not None else train)(config)
     print(f"trained to step {result['step']} in {time.monotonic() - started:.0f} s; out: {args.train_out}")
     return 0

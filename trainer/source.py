@@ -14,6 +14,9 @@ trainer reads attributes.
 Seqs are each proxy's own (every store counts from 1); trajectory ids (`<session>:<segment>`)
 are unique across proxies behind a session-affine balancer, which sends a session to one
 proxy only.
+
+Offline (`--trajectories FILE`), `ExportSource` gives a `molt-proxy export` the same way, as
+one source with its own cursor: what the stream would have sent, in seq order, then nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 
-from molt_proxy.types import Trajectory
+from molt_proxy import export
+from molt_proxy.types import SessionStatus, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +105,29 @@ class TrajectoryStream:
                     "trajectory stream of %s interrupted (%s); reconnecting after seq %d", url, exc, last_seen
                 )
                 time.sleep(1.0)
+
+
+class ExportSource:
+    """The trajectories of an export file after `cursor`, in seq order, as source 0, with
+    side requests left out as the proxy's stream leaves them out (the loop skips unrewarded
+    and evaluation episodes as it does live). `exhausted` once all are taken: the loop then
+    releases every waiting group as if its stragglers had timed out, with no clock involved,
+    so a run from a file is the same whatever the machine's speed."""
+
+    def __init__(self, path: Path, cursor: int):
+        records = [Trajectory.from_json(row) for row in export.load(path)]
+        taken = (t for t in records if t.seq > cursor and t.status != SessionStatus.SIDE)
+        self._records = deque(sorted(taken, key=lambda t: t.seq))
+
+    def start(self) -> ExportSource:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    @property
+    def exhausted(self) -> bool:
+        return not self._records
+
+    def get(self, timeout_s: float) -> tuple[int, Trajectory] | None:
+        return (0, self._records.popleft()) if self._records else None

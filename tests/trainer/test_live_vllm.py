@@ -1,7 +1,9 @@
 """The trainer's side of a live vLLM, one server for the whole file: a weight refresh under load
 (16 agents keep running while vLLM gets new weights 3 times), a bad weights folder refused before
 vLLM is touched, a trainer following two proxies, killed mid-run, that resumes without
-training twice or skipping, and two LoRA trainers' proxies sharing the server (multi-LoRA)."""
+training twice or skipping, a trainer stopped and restarted with another algorithm (the
+example plug-ins) under running agents, and two LoRA trainers' proxies sharing the server
+(multi-LoRA)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
 from trainer import checkpoint, loop
 from trainer.config import TrainerConfig
 from trainer.lora import LoraPolicy
+from trainer.metrics import read
 from trainer.policy import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,19 +205,22 @@ for episode in itertools.count():
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
 
 
-def _trainer(proxy_urls: list[str], model: Path, out: Path, steps: int, log: Path) -> subprocess.Popen:
-    """A trainer in its own session (killed as a whole); its output goes to `log`, and with
-    the fault handler on, SIGABRT makes it print where every thread is."""
+def _trainer(
+    proxy_urls: list[str], model: Path, out: Path, steps: int, log: Path, *flags: str, cwd: Path = ROOT
+) -> subprocess.Popen:
+    """A trainer in its own session (killed as a whole), started in `cwd` with `flags` added;
+    its output goes to `log`, and with the fault handler on, SIGABRT makes it print where
+    every thread is."""
     command = [
         sys.executable, "-m", "trainer", *(f for url in proxy_urls for f in ("--proxy-url", url)),
         "--model", str(model),
         "--train-out", str(out), "--max-steps", str(steps), "--group-size", "4", "--groups-per-step", "1",
-        "--lr", "1e-3",
+        "--lr", "1e-3", *flags,
     ]  # fmt: skip
     with log.open("ab") as sink:
         return subprocess.Popen(
-            command, cwd=ROOT, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+            command, cwd=cwd, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
 
 
@@ -298,6 +304,81 @@ def test_trainer_following_two_proxies_killed_mid_run_resumes_without_training_t
     )
     # The restarted trainer pushed its resumed version back to vLLM before going on.
     assert httpx.get(f"{digits_vllm.url}/weight_info").json()["weight_version"] == str(state.version)
+
+
+def test_a_trainer_restarted_with_another_algorithm_resumes_its_cursor_under_running_agents(
+    digits_model, digits_vllm, start_proxy, tmp_path
+):
+    """The research loop, live: a trainer with the built-in algorithm is stopped after 2 steps
+    while the proxy, vLLM and the agents keep running; the next one starts with the three
+    example plug-ins (CISPO's loss, GiGPO's advantage, DAPO's overlong shaping), named by
+    paths relative to another working directory, and goes on from the checkpoint: every
+    trajectory up to its cursor is trained on once, let go or pending, none twice. Then the
+    proxy's store, exported, trains offline with the same plug-ins."""
+    proxy = start_proxy(digits_model, digits_vllm)
+    stop_file = tmp_path / "stop"
+    agents = _agents([proxy.url], stop_file)
+    out = tmp_path / "train"
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    algorithms = Path(os.path.relpath(ROOT / "examples" / "algorithms", cwd))
+    plug_ins = (
+        "--loss", f"{algorithms}/cispo.py:cispo", "--advantage", f"{algorithms}/gigpo.py:gigpo",
+        "--reward-shaping", f"{algorithms}/dapo_overlong.py:digits",
+    )  # fmt: skip
+    try:
+        first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+        first = _trainer([proxy.url], digits_model, out, 8, first_log)
+        deadline = time.monotonic() + 600
+        while _steps_done(out / "checkpoint") < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first_log.read_text()[-8000:]
+            time.sleep(1.0)
+        os.killpg(first.pid, signal.SIGTERM)  # stopped, as a researcher stops it
+        first.wait(timeout=120)
+        deadline = time.monotonic() + 60  # its Ray actor too: it may be inside a step
+        while _session_alive(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done, first_records = _steps_done(out / "checkpoint"), len(read(out / "metrics.jsonl"))
+        # 3 steps: a step on a group of equal rewards is skipped and writes no record
+        second = _trainer([proxy.url], digits_model, out, done + 3, second_log, *plug_ins, cwd=cwd)
+        try:
+            assert _wait_or_dump(second, second_log, timeout_s=420) == 0, second_log.read_text()[-8000:]
+        finally:
+            if second.poll() is None:
+                os.killpg(second.pid, signal.SIGKILL)
+    finally:
+        stop_file.touch()
+        agents.wait(timeout=120)
+    state, _ = checkpoint.load(out / "checkpoint")
+    assert state.step + sum(state.skipped_steps.values()) == done + 3
+    trained = [trajectory_id for step in state.trained for trajectory_id in step]
+    assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
+    taken = set(trained) | set(state.consumed) | {t.trajectory_id for t in state.pending}
+    finalized = {t["trajectory_id"] for t in trajectories(proxy.url) if t["seq"] <= state.cursors[0]}
+    assert taken == finalized, "every trajectory up to the cursor is trained on, let go or pending"
+    records = read(out / "metrics.jsonl")
+    assert records[first_records:], "the second trainer took a step"
+    resumed = records[first_records:]
+    assert all("cispo_clip_frac" in r and "shaped_reward_mean" in r for r in resumed), records
+    assert not any("cispo_clip_frac" in r for r in records[:first_records]), "the first one ran PPO"
+
+    export = tmp_path / "export.parquet"
+    subprocess.run(
+        [sys.executable, "-m", "molt_proxy", "export", "--db", str(proxy.db), "--format", "parquet",
+         "--out", str(export)],
+        cwd=ROOT, check=True, capture_output=True,
+    )  # fmt: skip
+    offline = subprocess.run(
+        [
+            sys.executable, "-m", "trainer", "--model", str(digits_model), "--trajectories", str(export),
+            "--train-out", str(tmp_path / "offline"), "--max-steps", "2", "--group-size", "4",
+            "--groups-per-step", "1", *plug_ins,
+        ],
+        cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert offline.returncode == 0, offline.stderr[-4000:]
+    state, _ = checkpoint.load(tmp_path / "offline" / "checkpoint")
+    assert state.step + sum(state.skipped_steps.values()) == 2 and state.cursors[0] > 0
 
 
 def test_two_lora_trainers_share_one_vllm_each_sampling_its_own_adapter_at_exact_versions(
