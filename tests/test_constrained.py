@@ -9,6 +9,7 @@ against the session's real vLLM on the taught tiny Qwen3 (`tests/conftest.py`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sqlite3
@@ -184,7 +185,8 @@ def test_serve_takes_vllms_tool_strict_levels_only():
     ],
 )  # fmt: skip
 def test_output_formats_are_sent_as_vllm_structured_outputs(proxy, fields, expected):
-    constraint, constrained = sent_constraint(proxy, f"format-{json.dumps(fields)}", **fields)
+    session = "format-" + hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]  # a valid id
+    constraint, constrained = sent_constraint(proxy, session, **fields)
     assert (constraint, constrained) == (expected, expected is not None)
 
 

@@ -33,11 +33,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def play(proxy, session: str, fields: dict[str, Any]) -> None:
-    """Three turns (each continues the segment), then a reward. Off the taught script, so
-    the model samples freely: unlikely tokens, the hard case for truncation."""
+    """Five turns (each continues the segment), then a reward. Off the taught script, so
+    the model samples freely: unlikely tokens, the hard case for truncation. (Three turns gave
+    15 kept tokens at T = 1.3 once the tiny model was taught over a restricted vocabulary
+    first: its free replies end sooner.)"""
     client = OpenAI(base_url=proxy.base_url(session), api_key="unused")
     history: list[dict[str, Any]] = [{"role": "user", "content": "Tell me something about the sea."}]
-    for seed in (1, 2, 3):
+    for seed in (1, 2, 3, 4, 5):
         reply = client.chat.completions.create(
             model="tiny", messages=history, max_tokens=32, seed=seed, extra_body=fields
         )
