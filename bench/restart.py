@@ -11,8 +11,11 @@ checkpoint and cursor, and is timed from `Popen` to its first metrics record. Th
 on meanwhile, so its first groups are waiting in the proxy's store. `step_s` (the step's own
 compute and vLLM refresh) is read from that record; the rest is the start: Python and
 torch imports, Ray, the actor, the model and checkpoint loaded, the resumed weights pushed to
-vLLM, the stream read from the cursor. Baseline: the same trainer started offline
-(`--trajectories`, an export of the same store, no Ray, no proxy), to its first step.
+vLLM, the stream read from the cursor. Each algorithm is switched to twice: by a trainer that
+starts Ray itself (the default), and by one that joins a Ray cluster kept up across restarts
+(`ray start --head`, then `--ray-address`: the workflow the README's "Iterating" gives).
+Baseline: the same trainer started offline (`--trajectories`, an export of the same store, no
+Ray, no proxy), to its first step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, PYTHON, ROOT, Section, load_average, median, proxy_server, table, tiny_model
-from molt_proxy.launcher import VLLMServer
+from molt_proxy.launcher import RayNode, VLLMServer, free_port
 from trainer.metrics import read
 
 ALGORITHMS = ROOT / "examples" / "algorithms"
@@ -37,11 +40,15 @@ SWITCHES = [
 ]
 
 
+RAY_UP = ("Started a local Ray instance", "Connected to Ray cluster")
+"""What Ray logs once `ray.init` is done: having started its own instance, or joined one."""
+
+
 def trainer(
     source: list[str], model: Path, out: Path, steps: int, flags: list[str], log: Path
 ) -> tuple[float, float]:
     """Run `python -m trainer` to `steps`: the seconds from its start to its first new record,
-    and to Ray's "Started a local Ray instance" in its log (nan offline: no Ray)."""
+    and to Ray being up (`RAY_UP` in its log; nan offline: no Ray)."""
     shown = records(out)
     offset, wall = log.stat().st_size, time.time()
     command = [
@@ -51,7 +58,8 @@ def trainer(
     ]  # fmt: skip
     started = time.monotonic()
     with log.open("ab") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}  # a join sends the token (`ray_head`)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
     first = None
     while process.poll() is None or first is None:
         if first is None and records(out) > shown:
@@ -64,11 +72,22 @@ def trainer(
     with log.open("rb") as f:
         f.seek(offset)
         lines = f.read().decode(errors="replace").splitlines()
-    ray = [line[:23] for line in lines if "Started a local Ray instance" in line]
+    ray = [line[:23] for line in lines if any(up in line for up in RAY_UP)]
     if not ray:
         return first, float("nan")
     up = time.mktime(time.strptime(ray[0][:19], "%Y-%m-%d %H:%M:%S")) + int(ray[0][20:23]) / 1000
     return first, up - wall
+
+
+def ray_head(work: Path) -> RayNode:
+    """A Ray head kept up across restarts, as `ray start --head` would be: token auth on (the
+    trainers join it with RAY_AUTH_MODE=token and this user's ~/.ray/auth_token), no dashboard,
+    in a short temp dir (Ray's socket paths are long)."""
+    folder = Path("/tmp") / f"ray-bench-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)
+    args = ["--head", "--port", str(free_port()), "--temp-dir", str(folder), "--include-dashboard", "false"]
+    head = RayNode([*args, "--disable-usage-stats"], work / "ray-head.log", {"RAY_AUTH_MODE": "token"})
+    return head.start()
 
 
 def records(out: Path) -> int:
@@ -105,14 +124,18 @@ def run(quick: bool = False) -> Section:
             source = ["--proxy-url", proxy.url]
             agents = digits.Agents(proxy.url, 8, 8, trained=lambda: False)
             agents.start()
+            cluster = ray_head(work)
             try:
                 cold, _ = trainer(source, model, work / "live", 1, [], log)
+                kept = ["--ray-address", cluster.address]
                 for k, (name, flags) in enumerate(SWITCHES[:restarts]):
-                    first, ray_up = trainer(source, model, work / "live", 2 + k, flags, log)
+                    first, ray_up = trainer(source, model, work / "live", 2 + 2 * k, flags, log)
                     step_s = read(work / "live" / "metrics.jsonl")[-1]["step_s"]
-                    rows.append((name, first, ray_up, step_s))
+                    joined, join_s = trainer(source, model, work / "live", 3 + 2 * k, flags + kept, log)
+                    rows.append((name, first, ray_up, step_s, joined, join_s))
             finally:
                 agents.join()
+                cluster.stop()
             export = work / "export.jsonl"
             subprocess.run(
                 [PYTHON, "-m", "molt_proxy", "export", "--db", str(work / "store.db"), "--out", str(export)],
@@ -133,19 +156,22 @@ def run(quick: bool = False) -> Section:
         table(
             [
                 "restarted with",
-                "start → first step, s",
+                "own Ray: start → first step, s",
                 "of which: start → Ray up, s",
                 "the step (step_s), s",
+                "kept Ray: start → first step, s",
+                "of which: start → joined, s",
                 "offline: start → first step, s",
             ],
             [
-                [name, f"{first:.1f}", f"{ray_up:.1f}", f"{step_s:.1f}", f"{off:.1f}"]
-                for (name, first, ray_up, step_s), (_, off) in zip(rows, offline, strict=True)
+                [name, *(f"{value:.1f}" for value in (first, ray_up, step_s, joined, join_s, off))]
+                for (name, first, ray_up, step_s, joined, join_s), (_, off) in zip(rows, offline, strict=True)
             ],
         )
     )
     section.body.append(
-        f"Median start → first step: **{median([r[1] for r in rows]):.1f} s** live (goal: at most 30 s), "
+        f"Median start → first step, live: **{median([r[1] for r in rows]):.1f} s** starting Ray, "
+        f"**{median([r[4] for r in rows]):.1f} s** joining a kept Ray cluster (goal: at most 30 s); "
         f"{median([o[1] for o in offline]):.1f} s offline; 1-min load average before the run "
         f"{load_before}. Agent-visible errors: {len(agents.errors)}."
     )

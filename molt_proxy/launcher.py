@@ -269,6 +269,37 @@ class ProxyServer(ServerProcess):
         return f"{self.url}/s/{session}/v1" if session else f"{self.url}/v1"
 
 
+class RayNode(ServerProcess):
+    """`ray start --block ARGS`: one Ray node (`--head`, or `--address` of a head) in its own
+    process group, which `stop` ends (`ray stop` would end every Ray node of this machine).
+    For tests and benchmarks; `env` adds to this process's environment (HOME, RAY_AUTH_MODE)."""
+
+    name = "Ray node"
+    boot_timeout_s = 180.0
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        command = [str(Path(sys.executable).with_name("ray")), "start", "--block", *args]
+        super().__init__(command, "", log_path=log_path, env=env)
+        self.stop_timeout_s = 5.0
+
+    def wait(self, timeout_s: float | None = None) -> Self:
+        """Until the node's log says it started (a Ray node has no health route to ask)."""
+        assert self.log_path is not None
+        deadline = time.monotonic() + (timeout_s or self.boot_timeout_s)
+        while "Ray runtime started" not in self.log_path.read_text():
+            if self.returncode is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the Ray node did not start: {self.log_path.read_text()[-2000:]}")
+            time.sleep(0.3)
+        return self
+
+    @property
+    def address(self) -> str:
+        """A head's address, as its log tells the nodes that join it."""
+        assert self.log_path is not None
+        return self.log_path.read_text().split("ray start --address='")[1].split("'")[0]
+
+
 class ProcessState(StrEnum):
     BOOTING = "booting"
     """Launched, not healthy yet."""

@@ -18,41 +18,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Self
 
 import pytest
 
-from molt_proxy.launcher import ServerProcess, free_port
+from molt_proxy.launcher import RayNode, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-class RayHead(ServerProcess):
-    """`ray start --head --block`, on free ports, with `home` as HOME."""
-
-    name = "Ray head"
-    boot_timeout_s = 120.0
-
-    def __init__(self, folder: Path, home: Path):
-        self.port = free_port()
-        command = [RAY, "start", "--head", "--block", "--port", str(self.port), "--temp-dir", str(folder)]
-        command += ["--include-dashboard", "false", "--num-cpus", "1", "--disable-usage-stats"]
-        command += ["--object-store-memory", str(100 * 2**20)]
-        for flag in ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port"):
-            command += [flag, str(free_port())]
-        super().__init__(command, "", log_path=folder / "head.log", env={"HOME": str(home)})
-        self.stop_timeout_s = 5.0
-
-    def wait(self, timeout_s: float | None = None) -> Self:
-        deadline = time.monotonic() + (timeout_s or self.boot_timeout_s)
-        while "Ray runtime started" not in self.log_path.read_text():
-            if self.returncode is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the Ray head did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.3)
-        return self
+def ray_head(folder: Path, home: Path) -> tuple[RayNode, int]:
+    """`ray start --head` on free ports with `home` as HOME, and its port."""
+    port = free_port()
+    args = ["--head", "--port", str(port), "--temp-dir", str(folder), "--include-dashboard", "false"]
+    args += ["--num-cpus", "1", "--disable-usage-stats", "--object-store-memory", str(100 * 2**20)]
+    for flag in ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port"):
+        args += [flag, str(free_port())]
+    return RayNode(args, folder / "head.log", {"HOME": str(home)}), port
 
 
 def python(code: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -84,10 +66,11 @@ def test_a_cluster_with_token_auth_is_named_with_its_fix_for_serve_and_the_train
     )
     token = made.stdout.strip()
     assert made.returncode == 0 and (home / ".ray" / "auth_token").read_text() == token
-    head = RayHead(folder, home).start()
+    head, port = ray_head(folder, home)
+    head.start()
     try:
         assert "Token authentication is enabled for this Ray cluster" in head.log_path.read_text()
-        address = f"127.0.0.1:{head.port}"
+        address = f"127.0.0.1:{port}"
 
         serve = python(f"from molt_proxy.ray_replicas import join_cluster; join_cluster({address!r})", home)
         assert serve.returncode == 1

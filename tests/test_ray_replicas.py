@@ -21,12 +21,11 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import httpx
 import pytest
@@ -34,7 +33,7 @@ from openai import OpenAI
 
 from devtools import weather_episode
 from molt_proxy.cli import parser, settings_from_args
-from molt_proxy.launcher import ProxyServer, ServerProcess, free_port
+from molt_proxy.launcher import ProxyServer, RayNode, free_port
 from molt_proxy.ray_replicas import RayReplica, actor_options
 from molt_proxy.replicas import UpstreamClient
 from tests.helpers import Run, assert_exact, play, trajectories
@@ -74,28 +73,8 @@ def test_a_ray_replica_speaks_the_protocol_replicas_uses():
 # -- on a two-node cluster --------------------------------------------------------------------
 
 
-class RayNode(ServerProcess):
-    """`ray start --block ...`: one Ray node in its own process group, which `stop` ends
-    (`ray stop` would end every Ray node of this machine, other tests' too)."""
-
-    name = "Ray node"
-    boot_timeout_s = 180.0
-
-    def __init__(self, args: list[str], log_path: Path):
-        command = [str(Path(sys.executable).with_name("ray")), "start", "--block", *args]
-        command += ["--num-cpus", "1", "--resources", json.dumps({"vllm": 1})]
-        command += ["--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
-        super().__init__(command, "", log_path=log_path, env=RAY_ENV)
-        self.stop_timeout_s = 5.0
-
-    def wait(self, timeout_s: float | None = None) -> Self:
-        deadline = time.monotonic() + (timeout_s or self.boot_timeout_s)
-        while "Ray runtime started" not in self.log_path.read_text():
-            if self.returncode is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the Ray node did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.3)
-        return self
+NODE_ARGS = ["--num-cpus", "1", "--resources", json.dumps({"vllm": 1})]
+NODE_ARGS += ["--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +82,11 @@ def ray_cluster() -> Iterator[str]:
     """The address of a two-node Ray cluster (a short temp dir: Ray's socket paths are long)."""
     folder = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     port = free_port()
-    head = RayNode(
-        ["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", str(folder)],
-        folder / "head.log",
-    ).start()
+    head_args = ["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", str(folder)]
+    head = RayNode([*head_args, *NODE_ARGS], folder / "head.log", RAY_ENV).start()
     try:
-        address = head.log_path.read_text().split("ray start --address='")[1].split("'")[0]
-        with RayNode(["--address", address], folder / "worker.log"):
+        address = head.address
+        with RayNode(["--address", address, *NODE_ARGS], folder / "worker.log", RAY_ENV):
             yield address
     finally:
         head.stop()
