@@ -16,6 +16,7 @@ from typing import Any
 
 from molt_proxy import logs
 from molt_proxy.config import Settings, default
+from trainer.config import TrainerConfig
 from trainer.config import add_arguments as add_trainer_arguments
 
 
@@ -80,8 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
         args.admin_key, args.admin_key_file, args.agent_key or [], args.agent_keys_file, os.environ
     )
     args.admin_key = admin_key  # `--train`'s trainer reads it from `args`
-    # Settings first: a bad flag fails now, not after minutes of starting vLLM.
+    # Settings first: a bad flag (or plug-in) fails now, not after minutes of starting vLLM.
     settings = settings_from_args(args, admin_key, agent_keys)
+    trainer_config = _trainer_config(args) if args.train else None
     servers: list[VLLMServer] = []
     ray_replicas: list = []  # `ray_replicas.RayReplica`s, imported with Ray only when asked for
     try:
@@ -96,10 +98,10 @@ def _serve(args: argparse.Namespace) -> int:
         supervisors |= {replica.base_url: replica for replica in ray_replicas}
         app = create_app(settings, supervisors, ray_replicas)
         gc.freeze()  # what is loaded by now lives on: full collections skip it (bench proxy)
-        if not args.train:
+        if trainer_config is None:
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None)
             return 0
-        _serve_and_train(app, args)
+        _serve_and_train(app, args, trainer_config)
     finally:
         for server in servers:
             server.stop()
@@ -150,14 +152,28 @@ def _start_ray_replicas(args: argparse.Namespace, settings: Settings) -> list:
     )
 
 
-def _serve_and_train(app, args: argparse.Namespace) -> None:
+def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
+    """`serve --train`'s trainer settings, its plug-ins resolved: a wrong name or signature
+    stops `serve` before it starts vLLM, as it stops `python -m trainer` (trainer/plugins.py)."""
+    from trainer.config import config_from_args
+    from trainer.loop import resolve_plugins
+    from trainer.plugins import PluginError
+
+    try:
+        config = config_from_args(args, f"http://{args.host}:{args.port}", args.model)
+        resolve_plugins(config)
+    except (ValueError, PluginError) as exc:
+        raise SystemExit(f"molt-proxy serve --train: {exc}") from None
+    return config
+
+
+def _serve_and_train(app, args: argparse.Namespace, config: TrainerConfig) -> None:
     """The proxy in a background thread, the trainer (a Ray actor) driven from this one."""
     import threading
     import time
 
     import uvicorn
 
-    from trainer.config import config_from_args
     from trainer.run import train
 
     server = uvicorn.Server(
@@ -170,7 +186,7 @@ def _serve_and_train(app, args: argparse.Namespace) -> None:
             raise SystemExit("the proxy failed to start")
         time.sleep(0.1)
     try:
-        train(config_from_args(args, f"http://{args.host}:{args.port}", args.model))
+        train(config)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

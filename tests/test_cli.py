@@ -54,3 +54,21 @@ def test_trainer_flags_default_to_the_trainer_config_defaults():
     args = parser().parse_args(["serve", "--model", "m"])
     config = config_from_args(args, "http://proxy", "m")
     assert config == TrainerConfig(proxy_url="http://proxy", model="m", out_dir=Path("runs/train"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--advantage", "no_such_estimator"], "--advantage no_such_estimator: no built-in of that name"),
+        (["--loss", "examples/algorithms/cispo.py:missing"], "has no function 'missing'"),
+        (["--group-filter", "os:getcwd"], "must take one argument"),
+    ],
+)
+def test_serve_train_checks_its_plugins_before_it_starts_anything(tmp_path, flags, named):
+    """`serve --train` with a plug-in that cannot run stops before it starts vLLM (the model
+    path does not even exist), with the plug-in's own message."""
+    argv = ["serve", "--model", str(tmp_path / "no-model"), "--db", str(tmp_path / "s.db"), "--train"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--train-out", str(tmp_path / "train"), *flags])
+    assert str(stopped.value).startswith("molt-proxy serve --train: ") and named in str(stopped.value)
+    assert not (tmp_path / "s.vllm.log").exists()  # no vLLM was launched
