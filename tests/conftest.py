@@ -221,7 +221,28 @@ SLOW_FIRST = (
 )
 
 
+SLOW_FIXTURES = {
+    "qwen3_model", "untaught_qwen3_model", "llama_model", "digits_model",
+    "qwen3_vllm", "untaught_qwen3_vllm", "llama_vllm", "digits_vllm",
+}  # fmt: skip
+"""Fixtures that build (or teach) a tiny model or boot vLLM: minutes on a fresh machine."""
+SLOW_FILES = {"test_launcher.py", "test_ray_auth.py", "trainer/test_workers.py", "trainer/test_lora.py"}
+"""Files that start vLLM, Ray or a trainer themselves, without those fixtures."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vllm: needs a real vLLM server, a taught model, Ray or a trainer (minutes); "
+        "`pytest -m 'not vllm'` runs the rest, the in-process tier",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
+    for item in items:
+        name = item.path.relative_to(tests).as_posix()
+        if name in SLOW_FILES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(SLOW_FIRST)))
