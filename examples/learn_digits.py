@@ -30,7 +30,7 @@ from openai import OpenAI
 
 from devtools import PROMPTS, build_tiny_model, digit_share
 from molt_proxy.launcher import ProxyServer
-from trainer.metrics import progress_line, read
+from trainer.metrics import progress_line, read, summary_line
 
 
 class Agents:
@@ -171,7 +171,8 @@ def main() -> None:
     quarter = max(1, len(records) // 4)
     first = sum(r["reward_mean"] for r in records[:quarter]) / quarter
     last = sum(r["reward_mean"] for r in records[-quarter:]) / quarter
-    print(f"\n{agents.episodes} episodes, {len(agents.errors)} agent-visible errors {agents.errors[:3]}")
+    print(f"\ntrainer: {summary_line(out / 'train')}")
+    print(f"{agents.episodes} episodes, {len(agents.errors)} agent-visible errors {agents.errors[:3]}")
     print(f"mean reward: first quarter {first:.3f} → last quarter {last:.3f}")
     print("reward per step: " + sparkline([r["reward_mean"] for r in records]))
     evaluations = {v: r for record in records for v, r in record.get("eval_reward", {}).items()}

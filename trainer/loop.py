@@ -314,6 +314,7 @@ class Trainer:
         ]
         record = {
             "step": state.step,
+            "steps_done": self._steps_done(),  # `max_steps` counts these (`_steps_done`)
             "version": state.version,
             "cursors": state.cursors,
             "trajectories": len(trajectories),

@@ -79,14 +79,36 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def progress_line(record: dict[str, Any], max_steps: int) -> str:
-    done = record["step"] / max_steps
-    bar = "█" * int(done * 20) + "·" * (20 - int(done * 20))
+    """One step's line. Its count is of steps done (`max_steps` counts those): taken, skipped
+    (nothing to learn: a solved batch) and dropped; the skipped and dropped ones are named, as
+    they write no line of their own."""
+    done = record.get("steps_done", record["step"])
+    bar = "█" * int(done / max_steps * 20) + "·" * (20 - int(done / max_steps * 20))
+    other = f" ({done - record['step']} skipped or dropped)" if done != record["step"] else ""
     return (
-        f"step {record['step']:>4}/{max_steps} {bar} reward {record['reward_mean']:+.3f} "
+        f"step {done:>4}/{max_steps}{other} {bar} reward {record['reward_mean']:+.3f} "
         f"| {record['tokens_per_s']:,.0f} tok/s | kl {record.get('approx_kl', 0.0):.4f} "
         f"| entropy {record.get('entropy', 0.0):.3f} | staleness {record['staleness_mean']:.2f} "
         f"| refresh {record.get('refresh_s', 0.0):.2f}s"
     )
+
+
+def summary_line(out_dir: Path) -> str:
+    """What a finished run did with its steps, from its checkpoint's state (the steps skipped
+    after the last metrics line included): read without torch, for any progress display."""
+    try:
+        state = json.loads((Path(out_dir) / "checkpoint" / "state.json").read_text())
+    except FileNotFoundError:
+        return "no step taken"
+    skipped = state.get("skipped_steps", {})
+    line = f"{state['step']} steps taken"
+    if skipped:
+        reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(skipped.items()))
+        line += f", {sum(skipped.values())} skipped ({reasons}: nothing to learn, weights unchanged)"
+    flat, filtered = state.get("dropped_flat_groups", 0), state.get("dropped_filtered_groups", 0)
+    if flat or filtered:
+        line += f", groups dropped: {flat} flat (every reward equal), {filtered} by the group filter"
+    return line
 
 
 def plot_reward_curve(records: list[dict[str, Any]], out: Path) -> Path:

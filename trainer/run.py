@@ -15,7 +15,7 @@ import ray
 from molt_proxy.ray_replicas import join_cluster
 from trainer.config import TrainerConfig, add_arguments, config_from_args
 from trainer.loop import Trainer, resolve_plugins
-from trainer.metrics import progress_line, read
+from trainer.metrics import progress_line, read, summary_line
 from trainer.plugins import PluginError
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, PluginError) as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = (train_offline if config.trajectories is not None else train)(config)
-    print(f"trained to step {result['step']} in {time.monotonic() - started:.0f} s; out: {args.train_out}")
+    (train_offline if config.trajectories is not None else train)(config)
+    took = time.monotonic() - started
+    print(f"done in {took:.0f} s: {summary_line(config.out_dir)}; out: {args.train_out}")
     return 0

@@ -21,7 +21,7 @@ from trainer.batch import Batch
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig
-from trainer.metrics import eval_points, read, scalars
+from trainer.metrics import eval_points, progress_line, read, scalars, summary_line
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,12 @@ def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_cons
     assert last["optimizer_steps"] == 2 and last["optimizer_steps_total"] == 4
     assert last["skipped_steps_masked"] == last["skipped_steps_zero_advantage"] == 1
     assert last["dropped_stale_groups"] == 1
+    # the progress counts steps done, as max_steps does: the two skipped ones are named
+    assert [r["steps_done"] for r in records_written] == [1, 4]
+    assert progress_line(last, 4).startswith("step    4/4 (2 skipped or dropped) ████████████████████ ")
+    assert summary_line(tmp_path) == (
+        "2 steps taken, 2 skipped (1 masked, 1 zero advantage: nothing to learn, weights unchanged)"
+    )
 
 
 def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
