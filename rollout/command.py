@@ -7,6 +7,7 @@ runner is imported when the command runs, so `molt-proxy --help` stays quick.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from rollout.runner import RolloutError, run_rollout
     from rollout.tasks import TaskFileError
 
+    # One line per request to the proxy would bury the progress line; errors are still shown.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         results = run_rollout(
             args.proxy_url,

@@ -39,10 +39,12 @@ class Progress:
             self.running += 1
             self._show()
 
-    def finished(self, result: Result) -> None:
+    def finished(self, result: Result | None) -> None:
+        """An attempt ended: with its result, or None if an error of the run stopped it."""
         with self._lock:
             self.running -= 1
-            self._count(result)
+            if result is not None:
+                self._count(result)
             self._show()
 
     def line(self) -> str:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -131,20 +131,20 @@ def run_rollout(
 
 
 def _run_all(run: _Run, todo: list[tuple[Task, int]], concurrency: int, shown: Progress) -> None:
-    """Every attempt of `todo`, at most `concurrency` at once, each recorded as it finishes; the
-    first error of the run itself (`RolloutError`) or a Ctrl-C starts no more, and is raised
-    once the running attempts are recorded."""
+    """Every attempt of `todo`, at most `concurrency` at once, each recorded by its worker as it
+    finishes; the first error of the run itself (`RolloutError`) or a Ctrl-C starts no more,
+    and is raised once the running attempts are done."""
     executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="attempt")
-    futures = {executor.submit(_attempt, run, task, index, shown.started) for task, index in todo}
+    futures = {executor.submit(_recorded, run, task, index, shown) for task, index in todo}
     stopped: BaseException | None = None
     try:
         while futures:
             try:
                 for future in as_completed(futures):
                     futures.discard(future)
-                    error = _record(run, future, shown)
-                    stopped = stopped or error
-                    if stopped is not None:
+                    error = None if future.cancelled() else future.exception()
+                    if stopped is None and error is not None:
+                        stopped = error
                         executor.shutdown(wait=False, cancel_futures=True)
             except KeyboardInterrupt as exc:
                 if stopped is not None:
@@ -161,24 +161,20 @@ def _run_all(run: _Run, todo: list[tuple[Task, int]], concurrency: int, shown: P
         raise stopped
 
 
-def _record(run: _Run, future: Future[Result], shown: Progress) -> BaseException | None:
-    """The finished attempt's results line; the error that stops the run, if it raised one."""
-    if future.cancelled():
-        return None
+def _recorded(run: _Run, task: Task, index: int, shown: Progress) -> None:
+    shown.started()
+    result = None
     try:
-        result = future.result()
-    except Exception as exc:
-        return exc
-    run.ledger.finish(result)
-    shown.finished(result)
-    return None
+        result = _attempt(run, task, index)
+        run.ledger.finish(result)
+    finally:
+        shown.finished(result)
 
 
 # -- one attempt -----------------------------------------------------------------------------
 
 
-def _attempt(run: _Run, task: Task, index: int, started: Callable[[], None]) -> Result:
-    started()
+def _attempt(run: _Run, task: Task, index: int) -> Result:
     begun = time.monotonic()
     group = f"eval/{task.id}" if run.eval else task.id
     root = run.workdir / f"{task.id.replace('/', '_')}-{index}"
