@@ -68,7 +68,6 @@ class _SessionGone(Exception):
 class _Run:
     proxy_url: str
     harness: Harness
-    attempts: int
     timeout_s: float
     eval: bool
     admin_key: str | None
@@ -108,9 +107,7 @@ def run_rollout(
     _check_proxy(proxy_url)
     ledger = Ledger(out)
     root = workdir or Path(tempfile.mkdtemp(prefix="molt-rollout-"))
-    run = _Run(
-        proxy_url, adapter, attempts, timeout_s, eval, admin_key, sandbox, root, workdir is not None, ledger
-    )
+    run = _Run(proxy_url, adapter, timeout_s, eval, admin_key, sandbox, root, workdir is not None, ledger)
     try:
         for entry in ledger.interrupted():
             _close(

@@ -12,6 +12,9 @@ import pytest
 
 from molt_proxy.cli import main
 from molt_proxy.launcher import free_port
+from rollout.harness import CommandHarness
+from rollout.harnesses import HARNESSES, harness
+from rollout.harnesses.python import PythonAgent
 
 AGENT = str(Path(__file__).resolve().parent / "agent.py") + ":agent"
 GOOD = '{"id": "a", "prompt": "p", "check": "true"}\n'
@@ -107,3 +110,12 @@ def test_counts_below_one_are_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rollout(tmp_path, capsys, GOOD, "--harness", AGENT, "--attempts", "0") == (
         "attempts and concurrency must be at least 1, and the timeout above 0"
     )
+
+
+def test_a_registered_harness_is_its_adapter_and_anything_with_a_colon_a_python_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(HARNESSES, "plain", "rollout.harness:CommandHarness")
+    assert type(harness("plain")) is CommandHarness
+    agent = harness(AGENT)
+    assert isinstance(agent, PythonAgent) and agent.spec == AGENT and agent.name == "python"
