@@ -7,8 +7,9 @@ agent sends. The final reward goes to `POST /v1/rewards`.
 
 A block that raises posts no reward: the session stays open until the proxy's
 `--session-ttl` closes it as unrewarded, which the trainer skips (a crashed episode is not
-evidence about the policy, and reward 0 would teach it as if it were). A block that ends
-without `s.reward(...)` likewise leaves the session open.
+evidence about the policy, and reward 0 would teach it as if it were), or until `s.close(info)`
+closes it so at once, with the reason. A block that ends without `s.reward(...)` likewise
+leaves the session open.
 """
 
 from __future__ import annotations
@@ -57,11 +58,37 @@ class MoltSession:
             response = await http.post(f"{self.proxy_url}/v1/rewards", **self._reward_request(value, info))
         return self._rewarded(response)
 
+    def close(self, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the session without a reward, saying why in `info` (the agent crashed, timed
+        out, or was interrupted): kept, marked unrewarded, and not trained on, at once rather
+        than at the proxy's `--session-ttl`. Returns the proxy's answer, as `reward` does."""
+        response = httpx.post(
+            f"{self.proxy_url}/v1/sessions/{self.session_id}/close",
+            json={"info": info or {}},
+            headers=self._headers,
+            timeout=self.timeout_s,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def describe(self) -> dict[str, Any]:
+        """`GET /v1/sessions/{id}` while it is open: its group and each segment's `num_tokens`,
+        `num_sampled` and turns."""
+        response = httpx.get(
+            f"{self.proxy_url}/v1/sessions/{self.session_id}", headers=self._headers, timeout=self.timeout_s
+        )
+        response.raise_for_status()
+        return response.json()
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        # The session key may reward or close its own session even where an admin key is set.
+        return {"Authorization": f"Bearer {self.api_key}"}
+
     def _reward_request(self, value: float, info: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "json": {"session_id": self.session_id, "reward": value, "info": info or {}},
-            # The session key may reward its own session even where an admin key is set.
-            "headers": {"Authorization": f"Bearer {self.api_key}"},
+            "headers": self._headers,
             "timeout": self.timeout_s,
         }
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from molt_proxy import logs
 from molt_proxy.config import Settings, default
+from rollout.command import add_arguments as add_rollout_arguments
 from trainer.config import TrainerConfig
 from trainer.config import add_arguments as add_trainer_arguments
 
@@ -198,6 +199,12 @@ def _export(args: argparse.Namespace) -> int:
     count = export(args.db, args.out, args.format)
     print(f"wrote {count} trajectories to {args.out}")
     return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from rollout.command import run
+
+    return run(args)
 
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
@@ -428,6 +435,12 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     exp.add_argument("--out", required=True)
     exp.set_defaults(run=_export)
+
+    rollout = commands.add_parser(
+        "rollout", help="run a task set through a harness, attempts per task as groups (docs/rollout.md)"
+    )
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(run=_rollout)
 
     tiny = commands.add_parser("build-tiny-model", help="build a tiny local model for demos and tests")
     tiny.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3")

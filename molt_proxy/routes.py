@@ -41,6 +41,7 @@ from molt_proxy.wire.control import (
     CHAT_SCHEMA,
     SESSION_SCHEMA,
     WEIGHTS_SCHEMA,
+    CloseBody,
     RewardBody,
     decode_session_body,
     decode_weights_body,
@@ -328,6 +329,28 @@ async def post_reward(request: Request) -> dict[str, Any]:
     return {
         "session_id": session_id,
         "status": SessionStatus.REWARDED.value,
+        "trajectories": [{"seq": t.seq, "trajectory_id": t.trajectory_id} for t in trajectories],
+    }
+
+
+@router.post(
+    "/v1/sessions/{session_id}/close",
+    openapi_extra=request_body(CloseBody.model_json_schema(), required=False),
+)
+async def close_session(session_id: str, request: Request) -> dict[str, Any]:
+    """`{info}`: close a session unrewarded, e.g. because its harness crashed or timed out (a
+    runner says why in `info`); its trajectories are kept, marked, and not trained on. Who may
+    reward a session may close it; a closed one answers 409."""
+    proxy = _proxy(request)
+    principal = proxy.principal(request, auth.CHAT)
+    check_session_id(session_id, "session_id")
+    body = CloseBody.decode(await request.body())
+    if not await proxy.sessions.visible(session_id, principal):
+        raise unknown_session(session_id)  # as for an id that does not exist: no probing
+    trajectories = await proxy.close_session(session_id, None, body.info, SessionStatus.UNREWARDED)
+    return {
+        "session_id": session_id,
+        "status": SessionStatus.UNREWARDED.value,
         "trajectories": [{"seq": t.seq, "trajectory_id": t.trajectory_id} for t in trajectories],
     }
 

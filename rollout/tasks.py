@@ -10,7 +10,8 @@
 The check decides the reward (`rollout.checks`): a command's printed number (its last line of
 stdout), or else its exit code (0 → 1.0, anything else → 0.0); a Python check is
 `function(task, workspace, transcript) -> float | dict` (a dict holds `reward` and what else
-goes into `info`). A relative `directory` is read from the task file's folder.
+goes into `info`). A relative `directory`, and a Python check's relative `file.py`, are read from
+the task file's folder.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from molt_proxy.callables import absolute
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import check_group_id
 from molt_proxy.session import DEFAULT_GROUP_PREFIX
@@ -78,10 +80,14 @@ class TaskFileError(ValueError):
 
 def load_tasks(path: Path) -> list[Task]:
     """Every task of the JSONL file at `path`, checked before anything runs; a relative
-    `directory` is made absolute against the file's folder."""
+    `directory` or Python check file is made absolute against the file's folder."""
     tasks: list[Task] = []
     seen: set[str] = set()
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskFileError(f"cannot read the task file {path}: {exc}") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -90,6 +96,10 @@ def load_tasks(path: Path) -> list[Task]:
             raise TaskFileError(f"{path}:{number}: {_reason(exc)}") from None
         if task.directory is not None and not task.directory.is_absolute():
             task = task.model_copy(update={"directory": path.parent / task.directory})
+        if isinstance(task.check, PythonCheck):
+            task = task.model_copy(
+                update={"check": PythonCheck(python=absolute(task.check.python, path.parent))}
+            )
         if task.id in seen:
             raise TaskFileError(f"{path}:{number}: the id {task.id!r} is used twice")
         seen.add(task.id)

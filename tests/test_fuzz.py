@@ -50,6 +50,7 @@ OPERATIONS = [
     ("DELETE", "/s/{session_id}/v1/responses/{response_id}"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions/{session_id}"),
+    ("POST", "/v1/sessions/{session_id}/close"),
     ("POST", "/v1/rewards"),
     ("GET", "/v1/trajectories"),
     ("POST", "/v1/admin/weights"),

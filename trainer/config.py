@@ -9,9 +9,9 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
+from molt_proxy.callables import absolute
 from molt_proxy.config import default
 from trainer.advantage import Estimator
-from trainer.plugins import absolute
 
 Transport = Literal["files", "nccl", "ipc"]
 """How a refresh reaches vLLM (`trainer/transfer.py`)."""

@@ -24,16 +24,13 @@ names, not functions, travel in the config and the checkpoint pins none.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any, Literal
+
+from molt_proxy.callables import CallableError, load
 
 Kind = Literal["advantage", "loss", "group_filter", "reward_shaping"]
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -82,15 +79,6 @@ def builtins(kind: Kind) -> list[str]:
     return sorted(_REGISTRY[kind])
 
 
-def absolute(spec: str) -> str:
-    """`file.py:function` with the file made absolute against the working directory now; any
-    other name as it is."""
-    path, _, name = spec.rpartition(":")
-    if path.endswith(".py"):
-        return f"{Path(path).expanduser().resolve()}:{name}"
-    return spec
-
-
 @cache
 def resolve(kind: Kind, spec: str) -> Plugin:
     """The plug-in `spec` names, its signature checked: it must accept one argument. Cached:
@@ -107,12 +95,9 @@ def resolve(kind: Kind, spec: str) -> Plugin:
         fn = _REGISTRY[kind][spec]
     else:
         try:
-            module = _load_file(path) if path.endswith(".py") else importlib.import_module(path)
-        except (ImportError, OSError) as exc:
-            raise PluginError(f"{flag}: cannot load {path}: {exc}") from exc
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            raise PluginError(f"{flag}: {path} has no function {name!r}")
+            fn = load(spec)
+        except CallableError as exc:
+            raise PluginError(f"{flag}: {exc}") from exc
     try:
         inspect.signature(fn).bind(None)
     except TypeError as exc:
@@ -120,21 +105,6 @@ def resolve(kind: Kind, spec: str) -> Plugin:
             f"{flag}: {name or spec}{inspect.signature(fn)} must take one argument ({_TAKES[kind]}): {exc}"
         ) from exc
     return Plugin(kind, spec, fn)
-
-
-@cache
-def _load_file(path: str) -> Any:
-    """A plug-in file, as a module of its own under a name made from its absolute path (so
-    two files called `algo.py` do not meet), loaded once per process."""
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise OSError(f"no such file: {file}")
-    name = f"molt_plugin_{file.stem}_{hashlib.sha256(str(file).encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def call(plugin: Plugin, argument: Any, where: str) -> Any:

@@ -44,14 +44,7 @@ class RewardBody(BaseModel):
     @field_validator("info")
     @classmethod
     def _json_safe(cls, info: dict[str, Any]) -> dict[str, Any]:
-        try:
-            check_json_safe(info, max_depth=MAX_INFO_DEPTH)
-        except BadRequest as exc:
-            raise ValueError(exc.message) from None
-        size = len(orjson.dumps(info))
-        if size > MAX_INFO_BYTES:
-            raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are taken")
-        return info
+        return _checked_info(info)
 
     @classmethod
     def decode(cls, body: bytes, reward_range: tuple[float, float]) -> RewardBody:
@@ -66,6 +59,35 @@ class RewardBody(BaseModel):
                 param="reward",
             )
         return reward
+
+
+class CloseBody(BaseModel):
+    """`POST /v1/sessions/{id}/close`: end a session without a reward (the harness crashed or
+    timed out), saying why in `info`; the trainer skips it as it skips one the TTL closed."""
+
+    info: dict[str, Any] = Field(default_factory=dict)
+    """As a reward's `info`."""
+
+    @field_validator("info")
+    @classmethod
+    def _json_safe(cls, info: dict[str, Any]) -> dict[str, Any]:
+        return _checked_info(info)
+
+    @classmethod
+    def decode(cls, body: bytes) -> CloseBody:
+        """The body; an empty one is `{}`."""
+        return validated(cls, decode_json_object(body, allow_empty=True))
+
+
+def _checked_info(info: dict[str, Any]) -> dict[str, Any]:
+    try:
+        check_json_safe(info, max_depth=MAX_INFO_DEPTH)
+    except BadRequest as exc:
+        raise ValueError(exc.message) from None
+    size = len(orjson.dumps(info))
+    if size > MAX_INFO_BYTES:
+        raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are taken")
+    return info
 
 
 EVAL_GROUP_PREFIX = "eval/"

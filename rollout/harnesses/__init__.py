@@ -3,12 +3,29 @@
 
 from __future__ import annotations
 
+import importlib
+
 from rollout.harness import Harness
 
 HARNESSES: dict[str, str] = {}
 """name → `module:Class` of its adapter, imported only when chosen."""
 
 
+class HarnessError(ValueError):
+    """A `--harness` that names no adapter and no Python agent."""
+
+
 def harness(spec: str) -> Harness:
     """The adapter `spec` names: a harness of `HARNESSES`, or a Python agent."""
-    raise NotImplementedError
+    if spec in HARNESSES:
+        module, _, name = HARNESSES[spec].partition(":")
+        return getattr(importlib.import_module(module), name)()
+    if ":" not in spec:
+        known = ", ".join(sorted(HARNESSES)) or "none installed"
+        raise HarnessError(
+            f"unknown harness {spec!r} (harnesses: {known}); a Python agent is module:function"
+            " or path/to/file.py:function"
+        )
+    from rollout.harnesses.python import PythonAgent
+
+    return PythonAgent(spec)
