@@ -112,6 +112,11 @@ def _tcp(host: str, port: int) -> str:
 # 2. Bubblewrap ----------------------------------------------------------------------------
 
 
+ISOLATION = ("--unshare-all", "--cap-drop", "ALL", "--cap-add", "CAP_NET_BIND_SERVICE")
+"""Every namespace of its own, and no capability but binding a port below 1024 in its own
+network (the inner relay takes the proxy's port, which may be 80)."""
+
+
 class Bubblewrap:
     """bwrap (`apt-get install bubblewrap`): no daemon, no image, the machine's own binaries.
 
@@ -128,7 +133,7 @@ class Bubblewrap:
         path = shutil.which(executable)
         if path is None:
             return f"{executable}: not installed (apt-get install bubblewrap)"
-        probe = [path, "--ro-bind", "/", "/", "--unshare-all", "--cap-drop", "ALL", "--", "true"]
+        probe = [path, "--ro-bind", "/", "/", *ISOLATION, "--", "true"]
         return _probe(probe, f"{executable} cannot make a sandbox here")
 
     def wrap(
@@ -148,8 +153,7 @@ class Bubblewrap:
             "--bind", home, home,
             "--bind", sockets, sockets,
             "--chdir", workspace,
-            "--unshare-all",
-            "--cap-drop", "ALL",
+            *ISOLATION,
             "--die-with-parent",
             "--",
         ]  # fmt: skip
