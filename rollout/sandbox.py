@@ -6,10 +6,10 @@ A `Sandbox` rewrites a `CommandHarness`'s command line and environment; the harn
 runner know nothing else about it. Two kinds:
 
 - `Bubblewrap` (`--sandbox bwrap`): the machine's own file system, read-only, in new
-  namespaces (user, pid, network, ipc, uts, cgroup), every capability dropped; the workspace
-  and the attempt's HOME read-write at their own paths; /tmp and /run empty and private;
-  minimal /dev and /proc. A timeout that kills the command kills everything inside (the pid
-  namespace dies with it), even what left the process group.
+  namespaces (user, pid, network, ipc, uts, cgroup), every capability dropped, never as root
+  (`SANDBOX_UID`); the workspace and the attempt's HOME read-write at their own paths; /tmp
+  and /run empty and private; minimal /dev and /proc. A timeout that kills the command kills
+  everything inside (the pid namespace dies with it), even what left the process group.
 - `Container` (`--sandbox docker`, `podman`, `docker:IMAGE`): `run --rm --network none` with a
   read-only root, the same mounts, and the checkout, its .venv, .tools and Python bind-mounted
   read-only at their own paths. Built but not run here (no daemon, no registry): see its
@@ -18,7 +18,8 @@ runner know nothing else about it. Two kinds:
 No network but the proxy: the sandbox has only its own loopback, and two relays
 (`rollout/relay.py`) carry the proxy's one port in through a unix socket, so the harness's
 configured URL (`http://127.0.0.1:PORT/s/<id>/v1`) works unchanged inside, and any other
-port or address fails. The proxy must therefore be on a loopback address.
+port or address fails. The proxy must therefore be on a loopback address and an unprivileged
+port (1024 or more).
 
 This isolates side effects (files, processes, network), it does not hide the machine: the
 harness can read what the runner's user can (other workspaces, the task file). Run the
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 RELAY = Path(__file__).with_name("relay.py")
 CHECKOUT = Path(__file__).resolve().parents[1]
 PROBE_TIMEOUT_S = 30.0
+PRIVILEGED_PORTS = 1024
 
 
 class Sandbox(Protocol):
@@ -72,6 +74,11 @@ def _proxy_address(attempt: Attempt) -> tuple[str, int]:
         raise SandboxUnavailable(
             f"a sandboxed harness reaches the proxy through its own loopback only, so the proxy must "
             f"be on a loopback address (127.0.0.1, localhost, ::1), not {host!r}"
+        )
+    if port < PRIVILEGED_PORTS:
+        raise SandboxUnavailable(
+            f"the relay inside the sandbox takes the proxy's port without privileges, so the proxy "
+            f"must be on a port of {PRIVILEGED_PORTS} or more, not {port}"
         )
     return host, port
 
@@ -112,9 +119,17 @@ def _tcp(host: str, port: int) -> str:
 # 2. Bubblewrap ----------------------------------------------------------------------------
 
 
-ISOLATION = ("--unshare-all", "--cap-drop", "ALL", "--cap-add", "CAP_NET_BIND_SERVICE")
-"""Every namespace of its own, and no capability but binding a port below 1024 in its own
-network (the inner relay takes the proxy's port, which may be 80)."""
+SANDBOX_UID = 1000
+"""Who a root runner's harness is inside bwrap (root outside: what it writes is the runner's).
+Not root: a harness that nests a sandbox of its own (Codex runs its commands under bwrap)
+can set a user namespace up only as a user, and some CLIs refuse to run as root."""
+
+
+def _isolation() -> list[str]:
+    """Every namespace of its own and no capability (so no port below 1024 either, the proxy's
+    included: `_proxy_address`), as `SANDBOX_UID` where the runner is root."""
+    user = ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)] if os.getuid() == 0 else []
+    return ["--unshare-all", "--cap-drop", "ALL", *user]
 
 
 class Bubblewrap:
@@ -133,7 +148,7 @@ class Bubblewrap:
         path = shutil.which(executable)
         if path is None:
             return f"{executable}: not installed (apt-get install bubblewrap)"
-        probe = [path, "--ro-bind", "/", "/", *ISOLATION, "--", "true"]
+        probe = [path, "--ro-bind", "/", "/", *_isolation(), "--", "true"]
         return _probe(probe, f"{executable} cannot make a sandbox here")
 
     def wrap(
@@ -153,7 +168,7 @@ class Bubblewrap:
             "--bind", home, home,
             "--bind", sockets, sockets,
             "--chdir", workspace,
-            *ISOLATION,
+            *_isolation(),
             "--die-with-parent",
             "--",
         ]  # fmt: skip

@@ -146,6 +146,16 @@ def test_a_proxy_off_loopback_cannot_be_reached_from_a_sandbox(tmp_path):
     )
 
 
+def test_a_proxy_on_a_privileged_port_cannot_be_relayed_into_a_sandbox(tmp_path):
+    job = attempt(tmp_path, "http://localhost/s/a/v1", None)
+    with pytest.raises(SandboxUnavailable) as raised:
+        Container().wrap(["true"], {}, job)
+    assert str(raised.value) == (
+        "the relay inside the sandbox takes the proxy's port without privileges, so the proxy must be "
+        "on a port of 1024 or more, not 80"
+    )
+
+
 # 2. The container sandbox: its command line (it cannot run here) ----------------------------
 
 
@@ -225,7 +235,7 @@ def test_a_relay_exits_with_its_commands_exit_code(tmp_path):
 
 @needs_bwrap
 def test_inside_bwrap_the_workspace_and_home_are_writable_and_nothing_else(tmp_path):
-    job = attempt(tmp_path, "http://127.0.0.1:9/s/fs/v1", sandbox("bwrap"))
+    job = attempt(tmp_path, "http://127.0.0.1:1024/s/fs/v1", sandbox("bwrap"))
     marker = f"molt-sandbox-test-{secrets.token_hex(4)}"
     script = f"""
         echo work > answer.txt && echo workspace: written
@@ -289,7 +299,7 @@ def test_inside_bwrap_the_proxy_is_reachable_at_its_url_and_nothing_else_is(tmp_
 def test_a_timeout_kills_everything_inside_bwrap_even_what_left_the_process_group(tmp_path):
     """`setsid` escapes the process group a timeout kills; not the sandbox's pid namespace."""
     marker = f"{secrets.randbelow(10**6)}.25"
-    job = attempt(tmp_path, "http://127.0.0.1:9/s/late/v1", sandbox("bwrap"), timeout_s=15)
+    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", sandbox("bwrap"), timeout_s=15)
     outcomes = []
     run = threading.Thread(
         target=lambda: outcomes.append(Shell(f"setsid sleep {marker} & sleep 1000").run(job))
