@@ -9,7 +9,8 @@ mounted on both sides, so the harness's configured URL works unchanged inside:
     inside:   --listen tcp:127.0.0.1:PORT    --connect unix:DIR/proxy.sock  -- the harness's command
 
 Each relay listens first, then runs the command after `--` with its own stdin, stdout and
-stderr, and exits with the command's exit code (128 + N for a signal N). `--hold-stdin` gives the
+stderr, and exits with the command's exit code (128 + N for a signal N; 127 for a command not
+found, as a shell). `--hold-stdin` gives the
 command a pipe that stays open while the relay lives and `--lifeline` ends the relay (and its
 command) when its stdin closes: together they end a container whose `docker run` client was
 killed (a timeout kills the client, not the container).
@@ -104,7 +105,11 @@ async def relay(
     server = await _serve(listen, connect)
     try:
         stdin = subprocess.PIPE if hold_stdin else subprocess.DEVNULL if lifeline else None
-        process = await asyncio.create_subprocess_exec(*command, stdin=stdin)
+        try:
+            process = await asyncio.create_subprocess_exec(*command, stdin=stdin)
+        except OSError as exc:  # as a shell says it, with its exit codes
+            print(f"relay: cannot run {command[0]}: {exc.strerror}", file=sys.stderr)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
         exited = asyncio.ensure_future(process.wait())
         if lifeline:
             closed = asyncio.ensure_future(_stdin_closed())

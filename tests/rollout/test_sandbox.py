@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from devtools import codex
 from integrations.session import MoltSession, create_session
 from rollout.harness import Attempt, CommandHarness
 from rollout.sandbox import DEFAULT_IMAGE, RELAY, Bubblewrap, Container, Sandbox, SandboxUnavailable, sandbox
@@ -46,14 +47,15 @@ class Shell(CommandHarness):
         return ["sh", "-c", self.script]
 
 
-def attempt(tmp_path: Path, base_url: str, box: Sandbox | None, timeout_s: float = 120.0) -> Attempt:
-    """An attempt with a workspace and a HOME of its own under `tmp_path`, for `base_url`'s
-    session (`…/s/<id>/v1`)."""
+def attempt(
+    tmp_path: Path, base_url: str, box: Sandbox | None, timeout_s: float = 120.0, prompt: str = "p"
+) -> Attempt:
+    """An attempt with a workspace and a HOME of its own under `tmp_path`, its session's
+    base URL `base_url`."""
     (tmp_path / "workspace").mkdir(parents=True)
     (tmp_path / "home").mkdir()
-    session_id = base_url.rstrip("/").split("/")[-2]
-    session = MoltSession(base_url.split("/s/")[0], session_id, "sandboxed", f"key-{session_id}", base_url)
-    task = Task(id="sandboxed", prompt="p", check="true")
+    session = MoltSession(base_url.split("/s/")[0].removesuffix("/v1"), "s1", "sandboxed", "key-s1", base_url)
+    task = Task(id="sandboxed", prompt=prompt, check="true")
     return Attempt(task, 0, session, tmp_path / "workspace", tmp_path / "home", timeout_s, box)
 
 
@@ -226,6 +228,11 @@ def test_a_relay_exits_with_its_commands_exit_code(tmp_path):
     assert subprocess.run([*relay, "sh", "-c", "exit 3"]).returncode == 3
     assert subprocess.run([*relay, "sh", "-c", "kill -9 $$"]).returncode == 128 + 9
     assert not (tmp_path / "s").exists()  # its socket removed
+    missing = subprocess.run([*relay, "no-such-harness"], capture_output=True, text=True)
+    assert (missing.returncode, missing.stderr) == (
+        127,
+        "relay: cannot run no-such-harness: No such file or directory\n",
+    )
     refused = subprocess.run([*relay[:-1], "true"], capture_output=True, text=True)
     assert (refused.returncode, refused.stderr) == (1, "relay: the command to run goes after `--`\n")
 
@@ -353,3 +360,46 @@ def test_a_harness_in_bwrap_records_one_exact_turn_on_a_real_proxy(
     assert turn["completion_end"] - turn["completion_start"] == reply["usage"]["completion_tokens"]
     assert turn["finish_reason"] == reply["choices"][0]["finish_reason"]
     assert_exact(record, untaught_qwen3_model)
+
+
+class Codex(CommandHarness):
+    """Codex CLI as `devtools.codex.run_codex` runs it, at the attempt's session URL: its
+    config, sessions and temporary files in the attempt's HOME, its commands in its own
+    sandbox (a bwrap of its own, nested in ours)."""
+
+    name = "codex"
+
+    def command(self, attempt: Attempt) -> list[str]:
+        return [
+            str(codex.CLI),
+            "exec",
+            "--sandbox",
+            "workspace-write",
+            "--color",
+            "never",
+            attempt.task.prompt,
+        ]
+
+    def env(self, attempt: Attempt) -> dict[str, str]:
+        env = codex.codex_env(attempt.home.parent) | {"MOLT_API_KEY": attempt.session.api_key}
+        codex.write_config(Path(env["CODEX_HOME"]), attempt.session.base_url)
+        env["TMPDIR"] = str(attempt.home / "tmp")  # inside the HOME, which the sandbox mounts
+        (attempt.home / "tmp").mkdir(exist_ok=True)
+        return env
+
+
+@needs_bwrap
+@pytest.mark.skipif(not codex.installed(), reason="Codex's CLI is not installed (scripts/setup.sh)")
+def test_codex_in_bwrap_runs_its_command_in_its_own_sandbox_and_writes_the_workspace(tmp_path):
+    """The real CLI against `devtools.codex`'s scripted Responses server (no model: this is
+    about the sandbox): it streams through the relays, runs `echo hi | tee hi.txt` under its
+    own bwrap inside ours, and the file lands in the workspace."""
+    with codex.recording_server() as (url, bodies):
+        job = attempt(tmp_path, url, sandbox("bwrap"), timeout_s=240, prompt=codex.TASK)
+        subprocess.run(["git", "init", "-q", str(job.workspace)], check=True)  # Codex asks for one
+        outcome = Codex().run(job)
+    assert (outcome.exit_code, outcome.transcript) == (0, f"{codex.ANSWER}\n"), outcome.stderr_tail
+    assert codex.tool_output(bodies[-1]).endswith(
+        "\nProcess exited with code 0\nOriginal token count: 1\nOutput:\nhi\n"
+    )
+    assert (job.workspace / "hi.txt").read_text() == "hi\n"
