@@ -149,13 +149,13 @@ class Bubblewrap:
         if path is None:
             return f"{executable}: not installed (apt-get install bubblewrap)"
         probe = [path, "--ro-bind", "/", "/", *_isolation(), "--", "true"]
-        return _probe(probe, f"{executable} cannot make a sandbox here")
+        return _probe(probe, f"{executable}: cannot make a sandbox here")
 
     def wrap(
         self, command: list[str], env: dict[str, str], attempt: Attempt
     ) -> tuple[list[str], dict[str, str]]:
         proxy, socket, sockets = _bridge(attempt)
-        workspace, home = str(attempt.workspace), str(attempt.home)
+        workspace, home = str(attempt.workspace.absolute()), str(attempt.home.absolute())
         bwrap = [
             self.executable,
             "--ro-bind", "/", "/",
@@ -234,7 +234,7 @@ class Container:
         self, command: list[str], env: dict[str, str], attempt: Attempt
     ) -> tuple[list[str], dict[str, str]]:
         proxy, socket, sockets = _bridge(attempt)
-        workspace, home = str(attempt.workspace), str(attempt.home)
+        workspace, home = str(attempt.workspace.absolute()), str(attempt.home.absolute())
         mounts = [f"{workspace}:{workspace}", f"{home}:{home}", f"{sockets}:{sockets}"]
         mounts += [f"{path}:{path}:ro" for path in _machine_paths()]
         run = [
