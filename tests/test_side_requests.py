@@ -23,7 +23,8 @@ EPISODE = "You are a helpful assistant."
 
 
 def ask(session: MoltSession, api: str, system: str, stream: bool) -> str:
-    """One request without tools in `session`, through `api`'s SDK; the session the reply names."""
+    """One request without tools in `session`, through `api`'s SDK, read to its end; the session
+    the reply names."""
     user, limit = "Say hi", 16
     if api == "chat":
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
@@ -35,13 +36,13 @@ def ask(session: MoltSession, api: str, system: str, stream: bool) -> str:
         reply = session.client.responses.create(
             model="tiny", instructions=system, input=user, max_output_tokens=limit, stream=stream
         )
-        return next(iter(reply)).response.session_id if stream else reply.session_id
+        return list(reply)[0].response.session_id if stream else reply.session_id
     sdk = anthropic.Anthropic(base_url=session.base_url.removesuffix("/v1"), api_key=session.api_key)
     messages = [{"role": "user", "content": user}]
     reply = sdk.messages.create(
         model="tiny", max_tokens=limit, system=system, messages=messages, stream=stream
     )
-    return next(iter(reply)).message.session_id if stream else reply.session_id
+    return list(reply)[0].message.session_id if stream else reply.session_id
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
