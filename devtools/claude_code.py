@@ -20,7 +20,6 @@ and the working directory (`run_claude` puts both under one `root`) — is varie
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import tempfile
@@ -31,9 +30,11 @@ from typing import Any
 
 from devtools import recording
 from devtools.scripts import Conversation
+from rollout.harnesses.claude_code import claude_command, claude_env
+from rollout.harnesses.cli import TOOLS
 
 CLI_VERSION = "2.1.197"
-CLI = Path(__file__).resolve().parents[1] / ".tools" / "node_modules" / ".bin" / "claude"
+CLI = TOOLS / "claude"
 """Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
 
 MODEL = "tiny"
@@ -57,41 +58,16 @@ def installed() -> bool:
     return CLI.exists()
 
 
-def claude_env(base_url: str, root: Path, *, side_requests: bool = False) -> dict[str, str]:
-    """The environment Claude Code runs offline in: the proxy as its API, a private `HOME`
-    under `root`, no telemetry or updates, and (unless `side_requests`) none of its
-    non-essential requests, such as the title it asks the model for."""
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(root / "home"),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "sk-molt",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-    }
-    if not side_requests:
-        env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
-    return env
-
-
 def run_claude(
     base_url: str, root: Path, *, bare: bool, side_requests: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """`claude -p TASK --model MODEL --allowedTools Bash [--bare]` in `root/work`, its `HOME`
-    in `root/home`; returns the finished process (stdout: its final answer)."""
+    """`claude -p --allowedTools Bash --model MODEL [--bare] -- TASK` in `root/work`, its `HOME`
+    in `root/home`, offline (`rollout.harnesses.claude_code`, as a rollout runs it); returns the
+    finished process (stdout: its final answer)."""
     (root / "home").mkdir(parents=True, exist_ok=True)
     (root / "work").mkdir(exist_ok=True)
-    command = [
-        str(CLI),
-        "-p",
-        TASK,
-        "--model",
-        MODEL,
-        "--allowedTools",
-        "Bash",
-        *(["--bare"] if bare else []),
-    ]
-    env = claude_env(base_url, root, side_requests=side_requests)
+    command = claude_command(CLI, TASK, model=MODEL, allowed_tools=["Bash"], args=["--bare"] if bare else [])
+    env = claude_env(base_url, root / "home", "sk-molt", side_requests=side_requests)
     return subprocess.run(command, cwd=root / "work", env=env, capture_output=True, text=True, timeout=300)
 
 

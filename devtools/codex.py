@@ -8,17 +8,17 @@ answers with the script (`capture`), and turns the requests it sent into the con
 tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND` (Codex runs it in
 its sandbox and sends the output back), then answers `ANSWER`.
 
-`write_config` keeps the prompt lean and the same from run to run: no plugins, apps, goals,
-sub-agents, skills, web search, image or user-input tool, no sandbox note and no environment
-message (which name the folder and the date); the base prompt and 2 tools (`exec_command`,
-`write_stdin`) remain. What still differs between runs — the chunk id and wall time Codex
-writes into a tool's output — is varied while teaching (`Conversation.vary`).
+`write_config` (`rollout.harnesses.codex`, which rollouts share) keeps the prompt lean and the
+same from run to run: no plugins, apps, goals, sub-agents, skills, web search, image or
+user-input tool, no sandbox note and no environment message (which name the folder and the
+date); the base prompt and 2 tools (`exec_command`, `write_stdin`) remain. What still differs
+between runs — the chunk id and wall time Codex writes into a tool's output — is varied while
+teaching (`Conversation.vary`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import tempfile
@@ -29,9 +29,11 @@ from typing import Any
 
 from devtools import recording
 from devtools.scripts import Conversation
+from rollout.harnesses.cli import TOOLS
+from rollout.harnesses.codex import codex_command, codex_env, git_repository, write_config
 
 CLI_VERSION = "0.171.0"
-CLI = Path(__file__).resolve().parents[1] / ".tools" / "node_modules" / ".bin" / "codex"
+CLI = TOOLS / "codex"
 """Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
 
 MODEL = "tiny"
@@ -51,61 +53,23 @@ def installed() -> bool:
     return CLI.exists()
 
 
-def write_config(home: Path, base_url: str) -> None:
-    """`home/config.toml`: the Responses API at `base_url` (`…/v1`, or `…/s/<session>/v1`) as
-    the only provider, nothing that calls out (updates, analytics, web search), and the features
-    that add tools or prompt text to every request off."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(
-        f'model = "{MODEL}"\n'
-        'model_provider = "molt"\n'
-        "check_for_update_on_startup = false\n"
-        'web_search = "disabled"\n'
-        "include_permissions_instructions = false\ninclude_environment_context = false\n"
-        "\n[analytics]\nenabled = false\n"
-        "\n[features]\n"
-        "plugins = false\napps = false\ngoals = false\nimage_generation = false\nview_image = false\n"
-        "\n[agents]\nenabled = false\n"
-        "\n[skills]\ninclude_instructions = false\n"
-        "\n[tools.experimental_request_user_input]\nenabled = false\n"
-        "\n[model_providers.molt]\n"
-        'name = "molt-proxy"\n'
-        f'base_url = "{base_url}"\n'
-        'env_key = "MOLT_API_KEY"\n'
-        'wire_api = "responses"\n'
-    )
-
-
-def codex_env(root: Path) -> dict[str, str]:
-    """The environment Codex runs offline in: its `CODEX_HOME` (config, sessions) under `root`,
-    a fixed shell and time zone (both appear in its prompt), and a `TMPDIR` of its own beside
-    `CODEX_HOME`: with a bwrap on PATH, Codex runs commands through a helper it links into
-    `CODEX_HOME`, which it refuses to do under the temporary folder (a test's `root` is there),
-    and every command then fails with `bwrap: execvp codex-linux-sandbox`."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(root / "home"),
-        "CODEX_HOME": str(root / "home" / ".codex"),
-        "TMPDIR": str(root / "tmp"),
-        "MOLT_API_KEY": "sk-molt",
-        "SHELL": "/bin/bash",
-        "TZ": "UTC",
-    }
-
-
 def run_codex(base_url: str, root: Path) -> subprocess.CompletedProcess[str]:
     """`codex exec TASK` in `root/work`, a git repository (made if missing; Codex asks for
     one), sandboxed to write there (and in /tmp), its home in `root/home`, against the
-    Responses API at `base_url`; returns the finished process (stdout: its final answer)."""
-    env = codex_env(root)
-    write_config(Path(env["CODEX_HOME"]), base_url)
-    Path(env["TMPDIR"]).mkdir(exist_ok=True)
+    Responses API at `base_url` (`rollout.harnesses.codex`, as a rollout runs it); returns the
+    finished process (stdout: its final answer)."""
+    env = codex_env(root / "home", "sk-molt")
+    write_config(root / "home", base_url, MODEL)
     work = root / "work"
-    if not (work / ".git").exists():
-        subprocess.run(["git", "init", "-q", str(work)], check=True)
-    command = [str(CLI), "exec", "--sandbox", "workspace-write", "--color", "never", TASK]
+    git_repository(work)
     return subprocess.run(
-        command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+        codex_command(CLI, TASK),
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

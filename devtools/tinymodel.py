@@ -12,9 +12,10 @@ Where the tokenizers are found: `devtools.tokenizers`.
 
 Teaching the Qwen3 model costs minutes on 2 cores, so a build is cached (`_cached`), keyed by
 everything it depends on: the arguments, the tokenizer's files, `devtools`' own source (the
-scripts and the teaching), the versions of torch and transformers, and, where the Claude Code
-and Codex CLIs are installed (their captured episodes are taught), their versions and today's
-date. Change any of them and the next build is made afresh.
+scripts and the teaching) and the rollout adapters' (the captures run the CLIs as a rollout
+does: their environment, config and command line), the versions of torch and transformers,
+and, where the Claude Code and Codex CLIs are installed (their captured episodes are taught),
+their versions and today's date. Change any of them and the next build is made afresh.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
+import rollout.harnesses.claude_code
+import rollout.harnesses.cli
+import rollout.harnesses.codex
 from devtools import claude_code, codex
 from devtools.claude_code import claude_code_episodes
 from devtools.codex import codex_episode
@@ -78,6 +82,8 @@ _EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {
     "codex": codex_episode,
 }
 _CLIS = {"claude_code": claude_code, "codex": codex}
+_ADAPTERS = (rollout.harnesses.cli, rollout.harnesses.claude_code, rollout.harnesses.codex)
+"""What the captures run the CLIs through (`devtools.claude_code`, `devtools.codex`)."""
 
 
 def taught_scripts(arch: Arch, harnesses: Sequence[Harness] = HARNESSES) -> list[Conversation]:
@@ -197,7 +203,7 @@ def _build_key(args: dict[str, Any], source: Path | None) -> str:
 
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode())
     digest.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    files = sorted(Path(__file__).parent.glob("*.py"))
+    files = sorted(Path(__file__).parent.glob("*.py")) + [Path(m.__file__) for m in _ADAPTERS]
     if source is not None:
         files += sorted(f for f in source.iterdir() if f.is_file())
     for file in files:

@@ -26,7 +26,7 @@ from molt_proxy.ids import check_group_id, check_session_id
 from molt_proxy.proxy import Proxy
 from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import request_hash, unknown_session
-from molt_proxy.side import is_side, side_caller, side_info, side_rule, then
+from molt_proxy.side import is_side, side_request
 from molt_proxy.types import RecordedReply, SessionStatus
 from molt_proxy.weights import check_version
 from molt_proxy.wire.anthropic import (
@@ -106,12 +106,15 @@ async def _chat(request: Request, path_session: str | None) -> Response:
     )
     conversation = call.conversation
     caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    side = side_request(conversation, caller, proxy.settings.side_requests, proxy.close_session)
     attempt = _attempt(request, body)
     if not call.stream:
-        answer = await proxy.completions.complete(caller, conversation, body, attempt)
-        return _json(encode_reply(answer.reply, answer.session_id, proxy.tokenizer.token_bytes))
-    turn = proxy.completions.stream(caller, conversation, body, attempt)
-    events = encode_stream(turn, call.include_usage, proxy.tokenizer.token_bytes)
+        answer = await proxy.completions.complete(side.caller, conversation, body, attempt)
+        reply = encode_reply(answer.reply, answer.session_id, proxy.tokenizer.token_bytes)
+        await side.done()
+        return _json(reply)
+    turn = proxy.completions.stream(side.caller, conversation, body, attempt)
+    events = side.after(encode_stream(turn, call.include_usage, proxy.tokenizer.token_bytes))
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 
@@ -182,25 +185,20 @@ async def _messages(request: Request, path_session: str | None) -> Response:
     call = await _messages_call(body, count=False)
     conversation = call.conversation
     caller = _caller(proxy, request, principal, conversation.session_id, path_session)
+    side = side_request(conversation, caller, proxy.settings.side_requests, proxy.close_session)
     attempt = _attempt(request, body)
-    rule = side_rule(conversation, caller, proxy.settings.side_requests)
-    caller = side_caller(caller) if rule is not None else caller
 
     def stopped_by(reply: RecordedReply, session_id: str) -> str | None:
         return _stop_sequence(proxy, call.stop_sequences, reply, session_id)
 
-    async def close_side() -> None:  # a side request's session ends with its turn (`side.py`)
-        if rule is not None and caller.session_id is not None:
-            await proxy.close_session(caller.session_id, None, side_info(rule), SessionStatus.SIDE)
-
     if not call.stream:
-        answer = await proxy.completions.complete(caller, conversation, body, attempt)
+        answer = await proxy.completions.complete(side.caller, conversation, body, attempt)
         stop = stopped_by(answer.reply, answer.session_id)
         reply = encode_message(answer.reply, answer.session_id, stop, call.max_tokens)
-        await close_side()
+        await side.done()
         return _json(reply)
-    turn = proxy.completions.stream(caller, conversation, body, attempt)
-    events = then(encode_message_stream(turn, stopped_by, call.max_tokens), close_side)
+    turn = proxy.completions.stream(side.caller, conversation, body, attempt)
+    events = side.after(encode_message_stream(turn, stopped_by, call.max_tokens))
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 

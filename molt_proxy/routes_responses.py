@@ -26,6 +26,7 @@ from molt_proxy.errors import Conflict, NotFound
 from molt_proxy.proxy import Proxy
 from molt_proxy.routes import EventStream, _attempt, _caller, _proxy
 from molt_proxy.session import Caller
+from molt_proxy.side import side_request
 from molt_proxy.store_responses import StoredResponse, StoredResponses
 from molt_proxy.types import RecordedReply
 from molt_proxy.wire.control import request_body
@@ -126,16 +127,18 @@ async def _create(request: Request, path_session: str | None) -> dict[str, Any] 
         if len(body) < OFF_LOOP_BYTES
         else await asyncio.to_thread(conversation, decoded, history)
     )
+    side = side_request(turn, caller, proxy.settings.side_requests, proxy.close_session)
     shape = ReplyShape(decoded, decoded.include_encrypted)
     save = _saver(proxy, decoded, history)
     attempt = _attempt(request, body)
     if not decoded.stream:
-        answer = await proxy.completions.complete(caller, turn, body, attempt)
+        answer = await proxy.completions.complete(side.caller, turn, body, attempt)
         await save(answer.reply, answer.session_id)
-        return encode_response(shape, answer.reply, answer.session_id)
-    events = encode_response_stream(
-        shape, _saving(proxy.completions.stream(caller, turn, body, attempt), save)
-    )
+        reply = encode_response(shape, answer.reply, answer.session_id)
+        await side.done()
+        return reply
+    turned = _saving(proxy.completions.stream(side.caller, turn, body, attempt), save)
+    events = side.after(encode_response_stream(shape, turned))
     first = await anext(events)  # errors before vLLM answers become plain error responses
     return EventStream(first, events)
 

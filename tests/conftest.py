@@ -216,6 +216,8 @@ SLOW_FIRST = (
     "test_responses_vllm.py",
     "test_claude_code.py",
     "test_codex.py",
+    "rollout/test_cli_harnesses.py",
+    "test_side_requests.py",
     "test_agent_logprobs.py",
     "test_errors.py",
 )

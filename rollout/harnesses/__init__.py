@@ -7,8 +7,12 @@ import importlib
 
 from rollout.harness import Harness
 
-HARNESSES: dict[str, str] = {}
-"""name → `module:Class` of its adapter, imported only when chosen."""
+HARNESSES: dict[str, str] = {
+    "claude-code": "rollout.harnesses.claude_code:ClaudeCode",
+    "codex": "rollout.harnesses.codex:Codex",
+}
+"""name → `module:Class` of its adapter, imported only when chosen. A CLI adapter's class takes
+`args`, the extra flags for its CLI (`--harness-arg`), and options by keyword (`docs/harnesses.md`)."""
 
 
 class HarnessError(ValueError):
