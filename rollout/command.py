@@ -30,6 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an adapter of rollout/harnesses (e.g. claude-code, codex), or a Python agent:"
         " module:function or path/to/file.py:function, called as fn(attempt) -> answer",
     )
+    parser.add_argument(
+        "--harness-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra flag for the harness's CLI, repeatable (write one that starts with '-' as"
+        " --harness-arg=--flag)",
+    )
+    parser.add_argument(
+        "--sandbox",
+        metavar="NAME",
+        help="run each attempt isolated: bwrap, docker, podman (docker:IMAGE, podman:IMAGE) or auto;"
+        " the workspace mounted, no network but the proxy (docs/rollout.md)",
+    )
     parser.add_argument("--attempts", type=int, default=1, metavar="K", help="attempts per task, one group")
     parser.add_argument("--concurrency", type=int, default=1, metavar="C", help="attempts at once")
     parser.add_argument(
@@ -67,10 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.harnesses import HarnessError
+    from rollout.harnesses import HarnessError, harness
     from rollout.progress import summary
     from rollout.results import ResultsFileError
     from rollout.runner import RolloutError, run_rollout
+    from rollout.sandbox import SandboxUnavailable, sandbox
     from rollout.tasks import TaskFileError
 
     # One line per request to the proxy would bury the progress line; errors are still shown.
@@ -79,17 +94,18 @@ def run(args: argparse.Namespace) -> int:
         results = run_rollout(
             args.proxy_url,
             args.tasks,
-            args.harness,
+            harness(args.harness, args.harness_arg),
             args.out,
             attempts=args.attempts,
             concurrency=args.concurrency,
             timeout_s=args.timeout,
             eval=args.eval,
             admin_key=args.admin_key,
+            sandbox=sandbox(args.sandbox) if args.sandbox else None,
             workdir=args.workdir,
             success_threshold=args.success_threshold,
         )
-    except (TaskFileError, HarnessError, ResultsFileError, RolloutError) as exc:
+    except (TaskFileError, HarnessError, ResultsFileError, RolloutError, SandboxUnavailable) as exc:
         print(f"molt-proxy rollout: error: {exc}", file=sys.stderr)
         return 2
     print(summary(results, args.success_threshold))

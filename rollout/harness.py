@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from rollout.sandbox import Sandbox
     from rollout.tasks import Task
 
+KILLED_GRACE_S = 5.0
+"""After a timeout's kill, how long to wait for the output pipes to close."""
 TAIL_BYTES = 4096
 """How much of a harness's stderr the reward's `info` keeps (the end, where errors are)."""
 
@@ -127,8 +129,7 @@ class CommandHarness:
             stdout, stderr = process.communicate(timeout=attempt.timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
+            stdout, stderr = _killed(process)
         return Outcome(
             exit_code=None if timed_out else process.returncode,
             transcript=self.transcript(attempt, stdout),
@@ -137,3 +138,18 @@ class CommandHarness:
             timed_out=timed_out,
             extra=self.extra(attempt),
         )
+
+
+def _killed(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Kill the process group and read what is left of its output. A child that left the group
+    (`setsid`) may still hold the pipes open: after a grace period they are closed unread,
+    rather than waiting on it for ever (a sandbox kills such children too: `rollout/sandbox.py`)."""
+    os.killpg(process.pid, signal.SIGKILL)
+    try:
+        return process.communicate(timeout=KILLED_GRACE_S)
+    except subprocess.TimeoutExpired:
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+        process.wait()
+        return "", ""

@@ -1,6 +1,6 @@
 """An attempt's directories: a fresh workspace with the task laid in, and a private HOME beside it.
 
-    <root>/workspace   the task's `directory` copied, then its `files` written, then its `setup`
+    <root>/work        the task's `directory` copied, then its `files` written, then its `setup`
                        run there; the harness's working directory and what the check looks at
     <root>/home        HOME for the harness and the check: its config, caches and transcripts
                        stay out of the workspace and out of the user's own HOME
@@ -30,7 +30,7 @@ class SetupError(RuntimeError):
 def prepare(task: Task, root: Path, timeout_s: float) -> tuple[Path, Path]:
     """`(workspace, home)` under `root`, ready for the harness."""
     shutil.rmtree(root, ignore_errors=True)
-    workspace, home = root / "workspace", root / "home"
+    workspace, home = root / "work", root / "home"
     home.mkdir(parents=True)
     if task.directory is not None:
         if not task.directory.is_dir():

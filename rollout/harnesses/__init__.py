@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 from rollout.harness import Harness
 
@@ -19,11 +20,16 @@ class HarnessError(ValueError):
     """A `--harness` that names no adapter and no Python agent."""
 
 
-def harness(spec: str) -> Harness:
-    """The adapter `spec` names: a harness of `HARNESSES`, or a Python agent."""
+def harness(spec: str, args: Sequence[str] = ()) -> Harness:
+    """The adapter `spec` names: a harness of `HARNESSES` (`args`: extra flags for its CLI), or
+    a Python agent (which takes none)."""
     if spec in HARNESSES:
         module, _, name = HARNESSES[spec].partition(":")
-        return getattr(importlib.import_module(module), name)()
+        return getattr(importlib.import_module(module), name)(args)
+    if args:
+        raise HarnessError(
+            f"--harness-arg is for a CLI harness ({', '.join(sorted(HARNESSES))}), not {spec!r}"
+        )
     if ":" not in spec:
         known = ", ".join(sorted(HARNESSES)) or "none installed"
         raise HarnessError(

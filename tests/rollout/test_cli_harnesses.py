@@ -12,8 +12,10 @@ text the model never saw (Codex's chunk id and wall time in the tool's output)."
 from __future__ import annotations
 
 import importlib
+import json
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -208,3 +210,45 @@ def test_the_registry_names_each_adapter_by_its_own_name():
         module, _, cls = HARNESSES[name].partition(":")
         harness = getattr(importlib.import_module(module), cls)
         assert issubclass(harness, CommandHarness) and harness.name == name
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [pytest.param("claude-code", marks=needs_claude), pytest.param("codex", marks=needs_codex)],
+)
+def test_molt_proxy_rollout_runs_two_tasks_twice_each_through_the_cli_and_records_them_exactly(
+    cli, qwen3_model, qwen3_vllm, start_proxy, tmp_path
+):
+    """`molt-proxy rollout --harness CLI`, 2 tasks × 2 attempts, 2 at once: both tasks ask the
+    taught task; one's check wants the file the model writes (reward 1), the other's a file it
+    never writes (reward 0). Each attempt is one exact segment of its own session, in its task's
+    group, and its results line says so."""
+    proxy = start_proxy(qwen3_model, qwen3_vllm, *PROXY_FLAGS)
+    tasks = tmp_path / "tasks.jsonl"
+    written = {"id": "hi", "prompt": claude_code.TASK, "check": 'test "$(cat hi.txt)" = hi'}
+    missing = {"id": "bye", "prompt": claude_code.TASK, "check": "test -f bye.txt"}
+    tasks.write_text(json.dumps(written) + "\n" + json.dumps(missing) + "\n")
+    out = tmp_path / "results.jsonl"
+    command = [sys.executable, "-m", "molt_proxy", "rollout", "--proxy-url", proxy.url, "--tasks", str(tasks)]
+    command += ["--harness", cli, "--attempts", "2", "--concurrency", "2", "--timeout", "240"]
+    command += ["--out", str(out), "--workdir", str(tmp_path / "attempts")]
+    if cli == "claude-code":
+        command += [f"--harness-arg=--model={claude_code.MODEL}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    results = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["session"])
+    assert sorted((r["task"], r["attempt"], r["group"], r["reward"], r["error"]) for r in results) == [
+        ("bye", 0, "bye", 0.0, None),
+        ("bye", 1, "bye", 0.0, None),
+        ("hi", 0, "hi", 1.0, None),
+        ("hi", 1, "hi", 1.0, None),
+    ]
+    records = sorted(trajectories(proxy.url), key=lambda r: r["session_id"])
+    assert [(r["session_id"], r["group_id"], r["reward"]) for r in records] == [
+        (r["session"], r["task"], r["reward"]) for r in results
+    ]
+    for record, result in zip(records, results, strict=True):
+        assert (record["num_segments"], record["info"]["harness"], record["info"]["exit_code"]) == (1, cli, 0)
+        assert result["segments"] == 1
+        assert_exact(record, qwen3_model)

@@ -319,6 +319,19 @@ def test_a_timeout_kills_everything_inside_bwrap_even_what_left_the_process_grou
     wait_for(lambda: not processes("sleep", marker), "the escaped process ended")
 
 
+def test_without_a_sandbox_a_timeout_returns_though_an_escaped_child_holds_the_output(tmp_path):
+    """Unsandboxed, the `setsid` child outlives the kill and keeps the output pipes open: the
+    harness returns after the grace period anyway, its output closed unread."""
+    marker = f"{secrets.randbelow(10**6)}.5"
+    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", None, timeout_s=2)
+    try:
+        outcome = Shell(f"setsid sleep {marker} & sleep 1000").run(job)
+        assert (outcome.exit_code, outcome.timed_out, outcome.transcript) == (None, True, "")
+        assert processes("sleep", marker)  # it escaped: only a sandbox ends it
+    finally:
+        subprocess.run(["pkill", "-f", f"sleep {marker}"], check=False)
+
+
 # 5. A real harness on a real proxy ---------------------------------------------------------
 
 
