@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from rollout.harness import Harness
 
-HARNESSES: dict[str, str] = {}
+HARNESSES: dict[str, str] = {
+    "mini-swe-agent": "rollout.harnesses.mini_swe_agent:MiniSweAgent",
+    "opencode": "rollout.harnesses.opencode:OpenCode",
+    "qwen-code": "rollout.harnesses.qwen_code:QwenCode",
+}
 """name → `module:Class` of its adapter, imported only when chosen."""
 
 
