@@ -78,11 +78,15 @@ class Harness(Protocol):
 
 
 class CommandHarness:
-    """A harness that is a command line: subclasses give `command` and `env` (and `transcript`
-    where the answer is not its stdout). `run` starts it in the workspace, in a process group of
-    its own (a timeout kills whatever it started too), stdin closed, stdout and stderr kept."""
+    """A harness that is a command line: subclasses give `command` and `env` (`prepare` where it
+    needs files first, `transcript` where the answer is not its stdout, `extra` for facts found
+    after the run). `run` starts it in the workspace, in a process group of its own (a timeout
+    kills whatever it started too), stdin closed, stdout and stderr kept."""
 
     name = "command"
+
+    def prepare(self, attempt: Attempt) -> None:
+        """Before the command runs: write its config under `attempt.home`, and the like."""
 
     def command(self, attempt: Attempt) -> list[str]:
         raise NotImplementedError
@@ -94,22 +98,30 @@ class CommandHarness:
     def transcript(self, attempt: Attempt, stdout: str) -> str:
         return stdout
 
+    def extra(self, attempt: Attempt) -> dict[str, Any]:
+        """`Outcome.extra`, read once the command has ended (e.g. where its transcript file is)."""
+        return {}
+
     def run(self, attempt: Attempt) -> Outcome:
+        self.prepare(attempt)
         command, env = self.command(attempt), self.env(attempt)
         if attempt.sandbox is not None:
             command, env = attempt.sandbox.wrap(command, env, attempt)
         started = time.monotonic()
-        process = subprocess.Popen(
-            command,
-            cwd=attempt.workspace,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
+        try:
+            process = subprocess.Popen(
+                command,
+                cwd=attempt.workspace,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
+        except OSError as exc:  # no such program, not executable: it never ran
+            return Outcome(exit_code=None, error=f"cannot run {command[0]}: {exc}")
         timed_out = False
         try:
             stdout, stderr = process.communicate(timeout=attempt.timeout_s)
@@ -123,4 +135,5 @@ class CommandHarness:
             stderr_tail=stderr[-TAIL_BYTES:],
             duration_s=time.monotonic() - started,
             timed_out=timed_out,
+            extra=self.extra(attempt),
         )
