@@ -25,15 +25,17 @@ trajectory (every message, each with the raw response) is `<home>/mini-swe-agent
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.harness import Attempt, CommandHarness, Outcome
+from rollout.harness import Attempt, CommandHarness
+from rollout.harnesses.cli import find_cli
 from rollout.harnesses.served import served_model
 
 VERSION = "2.4.6"
 MINI = Path(__file__).resolve().parents[2] / ".tools" / "mini-swe-agent" / "bin" / "mini"
-"""Where `scripts/setup.sh` installs it."""
+"""Where `scripts/setup.sh` installs it (a virtual environment of its own)."""
 
 
 def installed() -> bool:
@@ -41,21 +43,32 @@ def installed() -> bool:
 
 
 class MiniSweAgent(CommandHarness):
-    """`mini` on the task's prompt in the workspace, against the attempt's session."""
+    """`args`: more flags for `mini` (`--harness-arg`; e.g. `-c agent.step_limit=30`, which
+    overrides the adapter's config); `max_tokens`: each request's (None sends none: the proxy then
+    allows what the context leaves); `step_limit`: model calls before it stops (0: none but the
+    attempt's timeout); `cli`: another `mini` than the pinned one under `.tools/`."""
 
     name = "mini-swe-agent"
 
-    def __init__(self, *, max_tokens: int | None = None, step_limit: int = 0) -> None:
-        self.max_tokens = max_tokens
-        """Each request's `max_tokens`; None sends none (the proxy then allows what the context leaves)."""
-        self.step_limit = step_limit
-        """Model calls before it stops (`LimitsExceeded`); 0: no limit but the attempt's timeout."""
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        max_tokens: int | None = None,
+        step_limit: int = 0,
+        cli: str | Path | None = None,
+    ) -> None:
+        self.cli = MINI if cli is None and installed() else find_cli("mini", cli)
+        self.args, self.max_tokens, self.step_limit = list(args), max_tokens, step_limit
 
     def trajectory(self, attempt: Attempt) -> Path:
         return attempt.home / "mini-swe-agent" / "trajectory.json"
 
     def config(self, attempt: Attempt) -> Path:
-        """Writes the run's config (JSON, which is YAML) and returns its path."""
+        return attempt.home / "mini-swe-agent" / "molt.yaml"
+
+    def prepare(self, attempt: Attempt) -> None:
+        """The run's config (JSON, which is YAML): the task, the model, the limits."""
         kwargs: dict[str, Any] = {"api_base": attempt.session.base_url, "api_key": attempt.session.api_key}
         if self.max_tokens is not None:
             kwargs["max_tokens"] = self.max_tokens
@@ -68,16 +81,15 @@ class MiniSweAgent(CommandHarness):
                 "cost_tracking": "ignore_errors",
             },
         }
-        path = attempt.home / "mini-swe-agent" / "molt.yaml"
+        path = self.config(attempt)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config, indent=1))
-        return path
 
     def command(self, attempt: Attempt) -> list[str]:
-        config, trajectory = self.config(attempt), self.trajectory(attempt)
         # `mini.yaml`: the package's own config (prompts, templates), then the attempt's on top.
-        configs = ["-c", "mini.yaml", "-c", str(config)]
-        return [str(MINI), "-y", "--exit-immediately", "-o", str(trajectory), *configs]
+        configs = ["-c", "mini.yaml", "-c", str(self.config(attempt))]
+        output = ["-o", str(self.trajectory(attempt))]
+        return [str(self.cli), "-y", "--exit-immediately", *output, *configs, *self.args]
 
     def env(self, attempt: Attempt) -> dict[str, str]:
         return super().env(attempt) | {
@@ -87,19 +99,22 @@ class MiniSweAgent(CommandHarness):
         }
 
     def transcript(self, attempt: Attempt, stdout: str) -> str:
-        """The submission; without one (it stopped for a limit or an error), its last reply."""
+        """The submission; without one (it stopped for a limit or an error), its last reply in
+        its history."""
         saved = _saved(self.trajectory(attempt))
         if saved["info"].get("submission"):
             return saved["info"]["submission"]
         replies = [m.get("content") or "" for m in saved["messages"] if m.get("role") == "assistant"]
         return replies[-1] if replies else ""
 
-    def run(self, attempt: Attempt) -> Outcome:
-        outcome = super().run(attempt)
+    def extra(self, attempt: Attempt) -> dict[str, Any]:
+        """Its trajectory file (None where it wrote none) and why it stopped (`Submitted`,
+        `LimitsExceeded`, `RepeatedFormatError`, an exception's name)."""
         trajectory = self.trajectory(attempt)
-        exit_status = _saved(trajectory)["info"].get("exit_status")
-        outcome.extra |= {"trajectory": str(trajectory), "exit_status": exit_status}
-        return outcome
+        return {
+            "transcript_file": str(trajectory) if trajectory.exists() else None,
+            "exit_status": _saved(trajectory)["info"].get("exit_status"),
+        }
 
 
 def _saved(trajectory: Path) -> dict[str, Any]:

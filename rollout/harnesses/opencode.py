@@ -27,15 +27,15 @@ only one in the attempt's home) is in `~/.local/share/opencode/opencode.db` (SQL
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.harness import Attempt, CommandHarness, Outcome
+from rollout.harness import Attempt, CommandHarness
+from rollout.harnesses.cli import TOOLS, find_cli
 from rollout.harnesses.served import served_model
 
 VERSION = "1.18.33"
-OPENCODE = Path(__file__).resolve().parents[2] / ".tools" / "node_modules" / ".bin" / "opencode"
-"""Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
 PROVIDER = "molt"
 OFFLINE = {
     "OPENCODE_DISABLE_MODELS_FETCH": "true",
@@ -47,26 +47,30 @@ OFFLINE = {
 
 
 def installed() -> bool:
-    return OPENCODE.exists()
+    return (TOOLS / "opencode").exists()
 
 
 class OpenCode(CommandHarness):
-    """`opencode run` on the task's prompt in the workspace, against the attempt's session,
-    every permission granted (`--auto`: the workspace is the attempt's own)."""
+    """`args`: more flags for `opencode run` (`--harness-arg`, e.g. `--agent plan`);
+    `max_tokens`: the model's output limit, each request's `max_tokens` and what OpenCode keeps
+    free of the context before it summarizes (it needs one: its default, 32,000, would leave a
+    32k context almost nothing); `cli`: another `opencode` than the pinned one under `.tools/`.
+    Every permission is granted (`--auto`): the workspace is the attempt's own."""
 
     name = "opencode"
 
-    def __init__(self, *, max_tokens: int = 4096) -> None:
-        self.max_tokens = max_tokens
-        """The model's output limit: each request's `max_tokens`, and what OpenCode keeps free of
-        the context before it summarizes (it needs one: its default, 32,000, would leave a
-        32k context almost nothing)."""
+    def __init__(
+        self, args: Sequence[str] = (), *, max_tokens: int = 4096, cli: str | Path | None = None
+    ) -> None:
+        self.cli = find_cli("opencode", cli)
+        self.args, self.max_tokens = list(args), max_tokens
 
-    def configure(self, attempt: Attempt) -> tuple[str, Path]:
-        """Writes the home's config files; returns the model (`provider/name`) and the prompt's file."""
+    def prepare(self, attempt: Attempt) -> None:
+        """The provider (`~/.config/opencode/opencode.json`), `.npmrc` and the prompt's file."""
         served = served_model(attempt.session)
         limit = {"context": served.max_model_len or 2 * self.max_tokens, "output": self.max_tokens}
         config = {
+            "model": f"{PROVIDER}/{served.name}",
             "autoupdate": False,
             "share": "disabled",
             "provider": {
@@ -82,15 +86,12 @@ class OpenCode(CommandHarness):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "opencode.json").write_text(json.dumps(config, indent=1))
         (attempt.home / ".npmrc").write_text("offline=true\n")
-        prompt = attempt.home / "prompt.txt"
-        prompt.write_text(attempt.task.prompt)
-        return f"{PROVIDER}/{served.name}", prompt
+        _prompt(attempt).write_text(attempt.task.prompt)
 
     def command(self, attempt: Attempt) -> list[str]:
-        model, prompt = self.configure(attempt)
         title = f"{attempt.task.id} #{attempt.index}"
-        run = [str(OPENCODE), "run", "--model", model, "--title", title, "--format", "json", "--auto"]
-        return ["/bin/sh", "-c", 'exec "$@" < "$0"', str(prompt), *run]
+        run = [str(self.cli), "run", "--title", title, "--format", "json", "--auto", *self.args]
+        return ["/bin/sh", "-c", 'exec "$@" < "$0"', str(_prompt(attempt)), *run]
 
     def env(self, attempt: Attempt) -> dict[str, str]:
         return super().env(attempt) | OFFLINE
@@ -105,10 +106,14 @@ class OpenCode(CommandHarness):
                 texts.append(event["part"]["text"])
         return "".join(texts)
 
-    def run(self, attempt: Attempt) -> Outcome:
-        outcome = super().run(attempt)
-        outcome.extra["store"] = str(attempt.home / ".local" / "share" / "opencode" / "opencode.db")
-        return outcome
+    def extra(self, attempt: Attempt) -> dict[str, Any]:
+        """Its store (None where it made none): the attempt's home holds this one session."""
+        store = attempt.home / ".local" / "share" / "opencode" / "opencode.db"
+        return {"transcript_file": str(store) if store.exists() else None}
+
+
+def _prompt(attempt: Attempt) -> Path:
+    return attempt.home / "prompt.txt"
 
 
 def _events(stdout: str) -> list[dict[str, Any]]:

@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from rollout.harness import Attempt, CommandHarness, Outcome
+from rollout.harness import Attempt, CommandHarness
+from rollout.harnesses.cli import TOOLS, find_cli, newest
 from rollout.harnesses.served import served_model
 
 VERSION = "0.24.4"
-QWEN = Path(__file__).resolve().parents[2] / ".tools" / "node_modules" / ".bin" / "qwen"
-"""Where `scripts/setup.sh` installs it (`npm install --prefix .tools`)."""
 
 
 def installed() -> bool:
-    return QWEN.exists()
+    return (TOOLS / "qwen").exists()
 
 
 def session_id(attempt: Attempt) -> str:
@@ -45,16 +46,22 @@ def session_id(attempt: Attempt) -> str:
 
 
 class QwenCode(CommandHarness):
-    """`qwen` on the task's prompt in the workspace, against the attempt's session, every tool
-    call approved (`--approval-mode yolo`: the workspace is the attempt's own)."""
+    """`args`: more flags for `qwen` (`--harness-arg`, e.g. `--max-session-turns 20`);
+    `max_tokens`: each request's (`QWEN_CODE_MAX_OUTPUT_TOKENS`; None: Qwen Code's own); `cli`:
+    another `qwen` than the pinned one under `.tools/`. Every tool call is approved
+    (`--approval-mode yolo`): the workspace is the attempt's own."""
 
     name = "qwen-code"
 
-    def __init__(self, *, max_tokens: int | None = None) -> None:
-        self.max_tokens = max_tokens
-        """Each request's `max_tokens` (`QWEN_CODE_MAX_OUTPUT_TOKENS`); None: Qwen Code's own."""
+    def __init__(
+        self, args: Sequence[str] = (), *, max_tokens: int | None = None, cli: str | Path | None = None
+    ) -> None:
+        self.cli = find_cli("qwen", cli)
+        self.args, self.max_tokens = list(args), max_tokens
 
-    def settings(self, attempt: Attempt) -> None:
+    def prepare(self, attempt: Attempt) -> None:
+        """`~/.qwen/settings.json`: the provider, the served model, nothing that calls out, no
+        memory extraction."""
         settings = {
             "security": {"auth": {"selectedType": "openai"}},
             "model": {"name": served_model(attempt.session).name},
@@ -68,17 +75,9 @@ class QwenCode(CommandHarness):
         (folder / "settings.json").write_text(json.dumps(settings, indent=1))
 
     def command(self, attempt: Attempt) -> list[str]:
-        self.settings(attempt)
-        return [
-            str(QWEN),
-            "--approval-mode",
-            "yolo",
-            "--output-format",
-            "json",
-            "--session-id",
-            session_id(attempt),
-            f"--prompt={attempt.task.prompt}",
-        ]
+        session = ["--session-id", session_id(attempt)]
+        flags = ["--approval-mode", "yolo", "--output-format", "json", *session, *self.args]
+        return [str(self.cli), *flags, f"--prompt={attempt.task.prompt}"]
 
     def env(self, attempt: Attempt) -> dict[str, str]:
         env = super().env(attempt) | {
@@ -99,9 +98,7 @@ class QwenCode(CommandHarness):
         results = [e.get("result") or "" for e in events if e.get("type") == "result"]
         return results[-1] if results else ""
 
-    def run(self, attempt: Attempt) -> Outcome:
-        outcome = super().run(attempt)
-        chats = attempt.home / ".qwen" / "projects"
-        found = sorted(chats.glob(f"*/chats/{session_id(attempt)}.jsonl"))
-        outcome.extra |= {"session": session_id(attempt), "chat": str(found[0]) if found else None}
-        return outcome
+    def extra(self, attempt: Attempt) -> dict[str, Any]:
+        """Its chat record (None where it wrote none) and its session id."""
+        chat = newest(attempt.home / ".qwen" / "projects", f"*/chats/{session_id(attempt)}.jsonl")
+        return {"transcript_file": chat, "session": session_id(attempt)}

@@ -40,8 +40,6 @@ class Case:
     tools: list[str]
     """The tools each request declares (measured with the pinned version)."""
     stream: bool
-    record: str
-    """The key of `Outcome.extra` that names its own record of the run (a file)."""
 
 
 CASES = {
@@ -51,14 +49,12 @@ CASES = {
         2,
         ["bash"],
         False,
-        "trajectory",
     ),
     "opencode": Case(
         lambda: opencode.OpenCode(max_tokens=MAX_TOKENS),
         1,
         ["bash", "edit", "glob", "grep", "read", "skill", "task", "todowrite", "webfetch", "write"],
         True,
-        "store",
     ),
     "qwen-code": Case(
         lambda: qwen_code.QwenCode(max_tokens=MAX_TOKENS),
@@ -68,7 +64,6 @@ CASES = {
             " tool_call tool_search update_goal write_file"
         ).split(),
         True,
-        "chat",
     ),
 }
 INSTALLED = {
@@ -120,10 +115,18 @@ def _processes_with_home(home: Path) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_each_adapter_is_registered_under_its_name(name):
     module, _, attribute = harnesses.HARNESSES[name].partition(":")
     assert getattr(importlib.import_module(module), attribute)().name == name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_adapter_refuses_a_cli_that_is_not_there_when_it_is_made(name, tmp_path):
+    module, _, attribute = harnesses.HARNESSES[name].partition(":")
+    with pytest.raises(FileNotFoundError) as refused:
+        getattr(importlib.import_module(module), attribute)(cli=tmp_path / "absent")
+    assert str(refused.value).endswith(f": {tmp_path / 'absent'} is not an executable file")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -157,7 +160,7 @@ def test_the_harness_sends_its_episode_through_the_attempts_session_and_every_tr
     assert prompts == sorted(sent)
     for record in records:
         assert_exact(record, untaught_qwen3_model)
-    assert Path(outcome.extra[case.record]).is_file()
+    assert Path(outcome.extra["transcript_file"]).is_file()
     if name == "mini-swe-agent":  # it keeps no reply without a tool call in its history: no answer
         assert (outcome.transcript, outcome.extra["exit_status"]) == ("", "LimitsExceeded")
     else:
