@@ -1,4 +1,5 @@
-"""A stand-in API server that records what a harness CLI sends (Claude Code, Codex).
+"""A stand-in API server that records what a harness CLI sends (Claude Code, Codex; the
+rollout adapters' tests put it in front of the proxy too).
 
 The CLIs are run against it twice: to capture the requests the tiny Qwen3 model learns
 (answered by a script), and in the tests, where it passes each request on to a molt-proxy
@@ -41,6 +42,15 @@ def recording_server(
             self.send_header("Content-Length", "0")
             self.end_headers()
 
+        def do_GET(self) -> None:  # mini-swe-agent's, OpenCode's and Qwen Code's adapters ask for the model
+            answer = httpx.get(forward_to + self.path, headers=self._passed()) if forward_to else None
+            body = answer.content if answer else b""
+            self.send_response(answer.status_code if answer else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers["Content-Length"]))
             bodies.append(json.loads(raw))
@@ -55,10 +65,13 @@ def recording_server(
             self.end_headers()
             self.wfile.write(events.encode())
 
-        def _forward(self, url: str, raw: bytes) -> None:
+        def _passed(self) -> dict[str, str]:
             skip = {"host", "content-length", "connection", "accept-encoding"}
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-            with httpx.stream("POST", url + self.path, content=raw, headers=headers, timeout=600) as answer:
+            return {k: v for k, v in self.headers.items() if k.lower() not in skip}
+
+        def _forward(self, url: str, raw: bytes) -> None:
+            request = {"content": raw, "headers": self._passed(), "timeout": 600}
+            with httpx.stream("POST", url + self.path, **request) as answer:
                 self.send_response(answer.status_code)
                 self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
                 self.send_header("Connection", "close")  # the body ends where the connection does

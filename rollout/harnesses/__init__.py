@@ -11,6 +11,9 @@ from rollout.harness import Harness
 HARNESSES: dict[str, str] = {
     "claude-code": "rollout.harnesses.claude_code:ClaudeCode",
     "codex": "rollout.harnesses.codex:Codex",
+    "mini-swe-agent": "rollout.harnesses.mini_swe_agent:MiniSweAgent",
+    "opencode": "rollout.harnesses.opencode:OpenCode",
+    "qwen-code": "rollout.harnesses.qwen_code:QwenCode",
 }
 """name → `module:Class` of its adapter, imported only when chosen. A CLI adapter's class takes
 `args`, the extra flags for its CLI (`--harness-arg`), and options by keyword (`docs/harnesses.md`)."""

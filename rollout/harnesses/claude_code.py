@@ -68,8 +68,8 @@ def claude_command(
 
 class ClaudeCode(CommandHarness):
     """`args`: more flags for `claude` (`--harness-arg`, e.g. `--bare`, `--max-turns 20`);
-    `model`: the `--model` name (None: Claude Code's default); `cli`: another `claude` than the
-    pinned one under `.tools/`."""
+    `model`: the `--model` name (None: the one the proxy serves, `Attempt.model`); `cli`: another
+    `claude` than the pinned one under `.tools/`."""
 
     name = "claude-code"
 
@@ -85,8 +85,9 @@ class ClaudeCode(CommandHarness):
         self.args, self.model, self.allowed_tools = list(args), model, list(allowed_tools)
 
     def command(self, attempt: Attempt) -> list[str]:
+        model = self.model or attempt.model
         return claude_command(
-            self.cli, attempt.task.prompt, model=self.model, allowed_tools=self.allowed_tools, args=self.args
+            self.cli, attempt.task.prompt, model=model, allowed_tools=self.allowed_tools, args=self.args
         )
 
     def env(self, attempt: Attempt) -> dict[str, str]:

@@ -91,8 +91,9 @@ def git_repository(folder: Path) -> None:
 
 class Codex(CommandHarness):
     """`args`: more flags for `codex exec` (`--harness-arg`, e.g. `-c model_reasoning_effort=low`);
-    `model`: the model name in its config (None: Codex's default); `sandbox`: Codex's sandbox
-    mode for the commands it runs; `cli`: another `codex` than the pinned one under `.tools/`."""
+    `model`: the model name in its config (None: the one the proxy serves, `Attempt.model`);
+    `sandbox`: Codex's sandbox mode for the commands it runs; `cli`: another `codex` than the
+    pinned one under `.tools/`."""
 
     name = "codex"
 
@@ -108,7 +109,7 @@ class Codex(CommandHarness):
         self.args, self.model, self.sandbox = list(args), model, sandbox
 
     def prepare(self, attempt: Attempt) -> None:
-        write_config(attempt.home, attempt.session.base_url, self.model)
+        write_config(attempt.home, attempt.session.base_url, self.model or attempt.model)
         git_repository(attempt.workspace)
 
     def command(self, attempt: Attempt) -> list[str]:

@@ -219,11 +219,13 @@ def test_the_registry_names_each_adapter_by_its_own_name():
 def test_molt_proxy_rollout_runs_two_tasks_twice_each_through_the_cli_and_records_them_exactly(
     cli, qwen3_model, qwen3_vllm, start_proxy, tmp_path
 ):
-    """`molt-proxy rollout --harness CLI`, 2 tasks × 2 attempts, 2 at once: both tasks ask the
+    """`molt-proxy rollout --harness CLI`, 2 tasks × 2 attempts, 2 at once, the CLI asking for the
+    model the proxy serves (its own default name may change what it sends): both tasks ask the
     taught task; one's check wants the file the model writes (reward 1), the other's a file it
     never writes (reward 0). Each attempt is one exact segment of its own session, in its task's
     group, and its results line says so."""
-    proxy = start_proxy(qwen3_model, qwen3_vllm, *PROXY_FLAGS)
+    # served as the name the CLIs' episodes were taught with: each adapter asks for it unprompted
+    proxy = start_proxy(qwen3_model, qwen3_vllm, *PROXY_FLAGS, "--served-model-name", claude_code.MODEL)
     tasks = tmp_path / "tasks.jsonl"
     written = {"id": "hi", "prompt": claude_code.TASK, "check": 'test "$(cat hi.txt)" = hi'}
     missing = {"id": "bye", "prompt": claude_code.TASK, "check": "test -f bye.txt"}
@@ -232,19 +234,18 @@ def test_molt_proxy_rollout_runs_two_tasks_twice_each_through_the_cli_and_record
     command = [sys.executable, "-m", "molt_proxy", "rollout", "--proxy-url", proxy.url, "--tasks", str(tasks)]
     command += ["--harness", cli, "--attempts", "2", "--concurrency", "2", "--timeout", "240"]
     command += ["--out", str(out), "--workdir", str(tmp_path / "attempts")]
-    if cli == "claude-code":
-        command += [f"--harness-arg=--model={claude_code.MODEL}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
     results = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["session"])
+    records = sorted(trajectories(proxy.url), key=lambda r: r["session_id"])
+    stderr = [r["info"].get("stderr_tail") for r in records if r["info"].get("exit_code") != 0]
     assert sorted((r["task"], r["attempt"], r["group"], r["reward"], r["error"]) for r in results) == [
         ("bye", 0, "bye", 0.0, None),
         ("bye", 1, "bye", 0.0, None),
         ("hi", 0, "hi", 1.0, None),
         ("hi", 1, "hi", 1.0, None),
-    ]
-    records = sorted(trajectories(proxy.url), key=lambda r: r["session_id"])
+    ], stderr
     assert [(r["session_id"], r["group_id"], r["reward"]) for r in records] == [
         (r["session"], r["task"], r["reward"]) for r in results
     ]
