@@ -13,7 +13,7 @@ import pytest
 from molt_proxy.cli import main
 from molt_proxy.launcher import free_port
 from rollout.harness import CommandHarness
-from rollout.harnesses import HARNESSES, harness
+from rollout.harnesses import HARNESSES, HarnessError, harness
 from rollout.harnesses.python import PythonAgent
 
 AGENT = str(Path(__file__).resolve().parent / "agent.py") + ":agent"
@@ -112,10 +112,20 @@ def test_counts_below_one_are_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     )
 
 
+class Plain(CommandHarness):
+    """A CLI adapter as the registry makes one: its extra flags first."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = list(args)
+
+
 def test_a_registered_harness_is_its_adapter_and_anything_with_a_colon_a_python_agent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(HARNESSES, "plain", "rollout.harness:CommandHarness")
-    assert type(harness("plain")) is CommandHarness
+    monkeypatch.setitem(HARNESSES, "plain", f"{__name__}:Plain")
+    plain = harness("plain", ["--flag", "value"])
+    assert type(plain) is Plain and plain.args == ["--flag", "value"]
+    with pytest.raises(HarnessError, match="--harness-arg is for a CLI harness"):
+        harness(AGENT, ["--flag"])
     agent = harness(AGENT)
     assert isinstance(agent, PythonAgent) and agent.spec == AGENT and agent.name == "python"

@@ -26,6 +26,7 @@ import pytest
 from devtools import codex
 from integrations.session import MoltSession, create_session
 from rollout.harness import Attempt, CommandHarness
+from rollout.harnesses.codex import Codex
 from rollout.sandbox import DEFAULT_IMAGE, RELAY, Bubblewrap, Container, Sandbox, SandboxUnavailable, sandbox
 from rollout.tasks import Task
 from tests.helpers import assert_exact, trajectories
@@ -375,42 +376,15 @@ def test_a_harness_in_bwrap_records_one_exact_turn_on_a_real_proxy(
     assert_exact(record, untaught_qwen3_model)
 
 
-class Codex(CommandHarness):
-    """Codex CLI as `devtools.codex.run_codex` runs it, at the attempt's session URL: its
-    config, sessions and temporary files in the attempt's HOME, its commands in its own
-    sandbox (a bwrap of its own, nested in ours)."""
-
-    name = "codex"
-
-    def command(self, attempt: Attempt) -> list[str]:
-        return [
-            str(codex.CLI),
-            "exec",
-            "--sandbox",
-            "workspace-write",
-            "--color",
-            "never",
-            attempt.task.prompt,
-        ]
-
-    def env(self, attempt: Attempt) -> dict[str, str]:
-        env = codex.codex_env(attempt.home.parent) | {"MOLT_API_KEY": attempt.session.api_key}
-        codex.write_config(Path(env["CODEX_HOME"]), attempt.session.base_url)
-        env["TMPDIR"] = str(attempt.home / "tmp")  # inside the HOME, which the sandbox mounts
-        (attempt.home / "tmp").mkdir(exist_ok=True)
-        return env
-
-
 @needs_bwrap
 @pytest.mark.skipif(not codex.installed(), reason="Codex's CLI is not installed (scripts/setup.sh)")
 def test_codex_in_bwrap_runs_its_command_in_its_own_sandbox_and_writes_the_workspace(tmp_path):
-    """The real CLI against `devtools.codex`'s scripted Responses server (no model: this is
-    about the sandbox): it streams through the relays, runs `echo hi | tee hi.txt` under its
-    own bwrap inside ours, and the file lands in the workspace."""
+    """The real CLI, by its rollout adapter, against `devtools.codex`'s scripted Responses
+    server (no model: this is about the sandbox): it streams through the relays, runs
+    `echo hi | tee hi.txt` under its own bwrap inside ours, and the file lands in the workspace."""
     with codex.recording_server() as (url, bodies):
         job = attempt(tmp_path, url, sandbox("bwrap"), timeout_s=240, prompt=codex.TASK)
-        subprocess.run(["git", "init", "-q", str(job.workspace)], check=True)  # Codex asks for one
-        outcome = Codex().run(job)
+        outcome = Codex(model=codex.MODEL).run(job)  # the adapter, as a rollout runs it
     assert (outcome.exit_code, outcome.transcript) == (0, f"{codex.ANSWER}\n"), outcome.stderr_tail
     assert codex.tool_output(bodies[-1]).endswith(
         "\nProcess exited with code 0\nOriginal token count: 1\nOutput:\nhi\n"
