@@ -400,8 +400,8 @@ def parser() -> argparse.ArgumentParser:
         default=default(Settings, "side_requests"),
         metavar="REGEX",
         help="a request without tools whose system prompt matches one of these is a side request:"
-        " served and recorded, kept out of the trainer's stream (default: Claude Code's title"
-        " request; with no value: none)",
+        " served and recorded, kept out of the trainer's stream (default: Claude Code's and OpenCode's"
+        " title requests; with no value: none)",
     )
     serve.add_argument(
         "--lora-name",

@@ -38,7 +38,9 @@ from molt_proxy.conversation import Conversation
 from molt_proxy.session import Caller
 from molt_proxy.types import SessionStatus
 
-DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title",)
+DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title", "^You are a title generator")
+"""Claude Code's title request; OpenCode's (1.18: "You are a title generator. You output ONLY a
+thread title."), which its rollout adapter avoids anyway (`--title`)."""
 
 
 def check_rules(rules: Sequence[str]) -> None:

@@ -8,6 +8,7 @@ a harness given a session does."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic
@@ -70,3 +71,16 @@ def test_a_side_request_leaves_the_episode_it_names_and_the_trainers_stream(
     assert (
         json.loads(first.removeprefix("data: "))["session_id"] == session.session_id
     )  # the side one skipped
+
+
+def test_the_default_rules_name_the_title_requests_of_claude_code_and_opencode():
+    """Their system texts as the pinned CLIs send them (OpenCode's read from its binary); an
+    agent's own system prompt that talks of titles is not one."""
+
+    def rule(system: str) -> str | None:
+        return next((r for r in DEFAULT_SIDE_REQUESTS if re.search(r, system)), None)
+
+    claude = "Generate a concise, sentence-case title (3-7 words) for this conversation. Reply in JSON."
+    opencode = "You are a title generator. You output ONLY a thread title. Nothing else."
+    assert [rule(claude), rule(opencode)] == list(DEFAULT_SIDE_REQUESTS)
+    assert rule("You are a coding agent. When you are a title generator's user, be brief.") is None
