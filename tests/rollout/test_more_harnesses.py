@@ -24,6 +24,7 @@ from molt_proxy.wire.openai import decode_chat_request
 from rollout import harnesses
 from rollout.harness import Attempt, CommandHarness
 from rollout.harnesses import mini_swe_agent, opencode, qwen_code
+from rollout.runner import run_rollout
 from rollout.tasks import Task
 from tests.helpers import assert_exact, trajectories
 
@@ -184,3 +185,42 @@ def test_a_timed_out_harness_is_killed_with_everything_it_started(
     while _processes_with_home(attempt.home) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with_home(attempt.home) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_rollout_runs_two_tasks_twice_each_through_the_harness_grouped_checked_and_exact(
+    name, untaught_qwen3_model, untaught_qwen3_vllm, start_proxy, tmp_path
+):
+    """`run_rollout` with the adapter, 2 tasks × 2 attempts, 2 at once. The untaught model writes
+    no file: one task's check wants one (reward 0), the other's prints 0.25 whatever happened;
+    every attempt is its own session in its task's group, and every segment of it exact."""
+    proxy = start_proxy(untaught_qwen3_model, untaught_qwen3_vllm, "--served-model-name", "tiny")
+    tasks = tmp_path / "tasks.jsonl"
+    wanted = {"id": "hi", "prompt": TASK.prompt, "check": TASK.check}
+    anything = {"id": "any", "prompt": "Say something.", "check": "echo 0.25"}
+    tasks.write_text(json.dumps(wanted) + "\n" + json.dumps(anything) + "\n")
+    out = tmp_path / "results.jsonl"
+    adapter = CASES[name].harness()
+    results = run_rollout(proxy.url, tasks, adapter, out, attempts=2, concurrency=2, timeout_s=300)
+    assert [(r.task, r.attempt, r.group, r.reward, r.error) for r in results] == [
+        ("hi", 0, "hi", 0.0, None),
+        ("hi", 1, "hi", 0.0, None),
+        ("any", 0, "any", 0.25, None),
+        ("any", 1, "any", 0.25, None),
+    ]
+    assert sorted(json.loads(line)["session"] for line in out.read_text().splitlines()) == sorted(
+        r.session for r in results
+    )
+    records = trajectories(proxy.url)
+    by_session = {r.session: r for r in results}
+    assert {record["session_id"] for record in records} == set(by_session)
+    for record in records:
+        result = by_session[record["session_id"]]
+        assert (record["group_id"], record["reward"], record["info"]["harness"]) == (
+            result.task,
+            result.reward,
+            name,
+        )
+        assert_exact(record, untaught_qwen3_model)
+    for result in results:
+        assert result.segments == sum(1 for r in records if r["session_id"] == result.session)
