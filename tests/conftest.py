@@ -220,7 +220,10 @@ SLOW_FIRST = (
     "test_claude_code.py",
     "test_codex.py",
     "rollout/test_cli_harnesses.py",
+    "rollout/test_more_harnesses.py",
+    "rollout/test_runner.py",
     "test_side_requests.py",
+    "rollout/test_sandbox.py",
     "test_agent_logprobs.py",
     "test_errors.py",
 )
