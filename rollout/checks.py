@@ -13,18 +13,17 @@ the verifier failed, not the policy, so the attempt is closed unrewarded rather 
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from molt_proxy.callables import CallableError, load
+from rollout.workspace import OUTPUT_TAIL, shell
 
 if TYPE_CHECKING:
     from rollout.tasks import Task
 
-OUTPUT_TAIL = 2048
 """How much of a command check's output `info` keeps (the end: where a test runner's summary is)."""
 
 
@@ -48,16 +47,7 @@ def run_check(task: Task, workspace: Path, home: Path, transcript: str, timeout_
 
 def command_check(command: str, workspace: Path, home: Path, timeout_s: float) -> Checked:
     try:
-        done = subprocess.run(
-            ["sh", "-c", command],
-            cwd=workspace,
-            env={**os.environ, "HOME": str(home)},
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout_s,
-        )
+        done = shell(command, workspace, home, timeout_s)
     except subprocess.TimeoutExpired:
         raise CheckError(f"the check timed out after {timeout_s:g}s") from None
     output = (done.stdout + done.stderr)[-OUTPUT_TAIL:]

@@ -46,18 +46,24 @@ def prepare(task: Task, root: Path, timeout_s: float) -> tuple[Path, Path]:
     return workspace, home
 
 
+def shell(command: str, workspace: Path, home: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`sh -c command` in the workspace with the attempt's HOME, as the task's setup and its
+    check run (the runner's environment otherwise: they are the task's, not the harness's)."""
+    return subprocess.run(
+        ["sh", "-c", command],
+        cwd=workspace,
+        env={**os.environ, "HOME": str(home)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout_s,
+    )
+
+
 def _setup(command: str, workspace: Path, home: Path, timeout_s: float) -> None:
     try:
-        done = subprocess.run(
-            ["sh", "-c", command],
-            cwd=workspace,
-            env={**os.environ, "HOME": str(home)},
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout_s,
-        )
+        done = shell(command, workspace, home, timeout_s)
     except subprocess.TimeoutExpired:
         raise SetupError(f"the setup command timed out after {timeout_s:g}s") from None
     if done.returncode != 0:
