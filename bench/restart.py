@@ -13,7 +13,7 @@ compute and vLLM refresh) is read from that record; the rest is the start: Pytho
 torch imports, Ray, the actor, the model and checkpoint loaded, the resumed weights pushed to
 vLLM, the stream read from the cursor. Each algorithm is switched to twice: by a trainer that
 starts Ray itself (the default), and by one that joins a Ray cluster kept up across restarts
-(`ray start --head`, then `--ray-address`: the workflow the README's "Iterating" gives).
+(`ray start --head`, then `--ray-address`: the workflow docs/training.md's "Iterating" gives).
 Baseline: the same trainer started offline (`--trajectories`, an export of the same store, no
 Ray, no proxy), to its first step.
 """

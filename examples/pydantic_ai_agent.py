@@ -31,7 +31,7 @@ class Forecast(BaseModel):
 def weather_tool() -> Tool:
     """`get_weather` with the script's exact JSON schema, not strict. pydantic-ai marks a tool
     `strict` whenever its schema allows, and vLLM constrains a strict tool's calls: every turn
-    with it would be a constrained turn, which the trainer leaves out by default (README,
+    with it would be a constrained turn, which the trainer leaves out by default (docs/sampling.md,
     Constrained decoding). `@agent.tool_plain(strict=False)` does the same for a real model;
     the tiny one knows only the script's schema."""
     function = WEATHER_TOOL["function"]

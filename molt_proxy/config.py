@@ -46,7 +46,7 @@ class Settings:
     """`vllm serve --tool-strict-level`: how far tool calls are constrained. `auto`: forced calls
     (and a `strict: true` tool's calls) follow the call markup, only strict tools' arguments
     their schema; `function`: every request with tools gets the markup constraint; `parameter`:
-    every tool's arguments follow its schema too (`constraints.py`; README, constrained
+    every tool's arguments follow its schema too (`constraints.py`; docs/sampling.md, Constrained
     decoding)."""
     admin_key: str | None = field(default=None, repr=False)
     """When set, every route that writes or reads training data needs a key (`auth.py`);

@@ -1,4 +1,4 @@
-"""Exports of finalized trajectories, in the schema the trainer reads (README)."""
+"""Exports of finalized trajectories, in the schema the trainer reads (docs/using-it.md)."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ class Turn:
     `parallel_tool_calls: false`, `response_format` JSON, `structured_outputs`): each sampled
     token was drawn from the grammar-masked distribution, renormalised over the tokens the
     grammar allowed, and its recorded logprob is that distribution's, not the policy's (see
-    the README). False in records from before it was recorded."""
+    docs/sampling.md). False in records from before it was recorded."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Turn:
@@ -173,7 +173,7 @@ class Segment:
 class Trajectory:
     """A finalized segment with its session's reward: what the trainer reads.
 
-    The JSON form (`to_json`) is the schema documented in the README, used by the HTTP
+    The JSON form (`to_json`) is the schema documented in docs/using-it.md, used by the HTTP
     stream, the exports and the trainer alike.
     """
 

@@ -1,4 +1,4 @@
-"""The key model (issue 9, items 1–3; README "Security"): with an admin key, no route that
+"""The key model (issue 9, items 1–3; docs/security.md): with an admin key, no route that
 writes or reads training data answers without a key; a key acts only where its kind allows;
 ids cannot be probed; keys are never stored, and the store is private to its user.
 

@@ -49,7 +49,7 @@ _ITEM: dict[str, Any] = {
 }
 RESPONSES_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "description": "OpenAI Responses (a subset of its fields; see the README).",
+    "description": "OpenAI Responses (a subset of its fields; see docs/api-formats.md).",
     "properties": {
         "model": {"type": "string"},
         "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _ITEM}]},
