@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -171,15 +174,48 @@ def test_the_harness_sends_its_episode_through_the_attempts_session_and_every_tr
         assert outcome.transcript == reply.decode(errors="replace")
 
 
+@contextmanager
+def stalled_session() -> Iterator[MoltSession]:
+    """A session on a server that lists the model and never answers a turn: a harness pointed
+    at it waits for its first reply until it is killed, however fast it starts."""
+    release = threading.Event()
+
+    class Stalled(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # the adapters' `served_model`
+            body = json.dumps({"object": "list", "data": [{"id": "tiny", "max_model_len": 32768}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            release.wait()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stalled)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        yield MoltSession(url, "stalled", TASK.id, "sk-stalled", f"{url}/s/stalled/v1")
+    finally:
+        release.set()
+        server.shutdown()
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_a_timed_out_harness_is_killed_with_everything_it_started(
-    name, untaught_qwen3_model, untaught_qwen3_vllm, start_proxy, tmp_path
-):
-    """Five seconds is less than any of the three takes to answer (booting and the first turn):
-    the run ends as timed out, and no process with the attempt's HOME is left."""
-    proxy = start_proxy(untaught_qwen3_model, untaught_qwen3_vllm, "--served-model-name", "tiny")
-    attempt = _attempt(proxy.url, proxy.url, tmp_path, timeout_s=5)
-    outcome = CASES[name].harness().run(attempt)
+def test_a_timed_out_harness_is_killed_with_everything_it_started(name, tmp_path):
+    """Its first turn never answered, the run ends as timed out after 5 s, and no process with
+    the attempt's HOME is left."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "home").mkdir()
+    with stalled_session() as session:
+        attempt = Attempt(TASK, 0, session, tmp_path / "work", tmp_path / "home", timeout_s=5)
+        outcome = CASES[name].harness().run(attempt)
     assert (outcome.exit_code, outcome.timed_out) == (None, True)
     deadline = time.monotonic() + 30  # SIGKILL reaches the group's other members asynchronously
     while _processes_with_home(attempt.home) and time.monotonic() < deadline:
