@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from molt_proxy.sampling import check_pins
 from molt_proxy.side import DEFAULT_SIDE_REQUESTS, check_rules
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(slots=True)
@@ -119,7 +122,7 @@ class Settings:
             )
 
 
-def default(cls: type, name: str) -> Any:
+def default(cls: type[DataclassInstance], name: str) -> Any:
     """The default of field `name` of dataclass `cls`: the CLI's flags take their defaults
     from here, so that each default is written once, on its field."""
     f = cls.__dataclass_fields__[name]
