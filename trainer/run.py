@@ -60,21 +60,27 @@ def train_offline(config: TrainerConfig, *, show_progress: bool = True) -> dict[
     return result
 
 
+def parser() -> argparse.ArgumentParser:
+    """`python -m trainer`'s command line: a flag per `TrainerConfig` field (`molt_proxy/flags.py`)."""
+    command = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
+    add_flags(command, TrainerConfig)
+    return command
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
-    add_flags(parser, TrainerConfig)
-    args = parser.parse_args(argv)
+    command = parser()
+    args = command.parse_args(argv)
     if not args.proxy_url and not args.trajectories:
-        parser.error("give at least one --proxy-url, or --trajectories FILE")
+        command.error("give at least one --proxy-url, or --trajectories FILE")
     if args.proxy_url and args.trajectories:
-        parser.error("--trajectories trains offline: it follows no --proxy-url")
+        command.error("--trajectories trains offline: it follows no --proxy-url")
     started = time.monotonic()
     first, *more = args.proxy_url or [""]
     try:
         config = from_flags(TrainerConfig, args, proxy_url=first, more_proxy_urls=more)
         resolve_plugins(config)  # a wrong name or signature: an error now, not in the actor
     except (ValueError, PluginError) as exc:
-        parser.error(str(exc))
+        command.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     (train_offline if config.trajectories is not None else train)(config)
     took = time.monotonic() - started
