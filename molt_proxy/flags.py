@@ -78,7 +78,7 @@ def add_flags(
     class on this command line declares: both read the same value). With `group`, they are
     listed under that title, described by the class's docstring; a nested settings class's
     flags follow under `group` and the field's name."""
-    target = parser.add_argument_group(group, class_docstring(cls)) if group else parser
+    target = parser.add_argument_group(group, _class_docstring(cls)) if group else parser
     hints = _hints(cls)
     helps = docstrings(cls)
     for f in fields(cls):
@@ -104,8 +104,8 @@ def from_flags(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
             continue
         if is_dataclass(hints[f.name]):
             values[f.name] = from_flags(hints[f.name], args)
-        elif hasattr(args, dest(flag_name(f))):
-            values[f.name] = _value(getattr(args, dest(flag_name(f))), hints[f.name])
+        elif hasattr(args, _dest(flag_name(f))):
+            values[f.name] = _value(getattr(args, _dest(flag_name(f))), hints[f.name])
     return cls(**values, **given)
 
 
@@ -117,7 +117,7 @@ def flag_name(f: Field) -> str:
     return "--" + f.name.removesuffix("_s").replace("_", "-")
 
 
-def dest(name: str) -> str:
+def _dest(name: str) -> str:
     """The attribute the parsed command line keeps flag `name` under, as argparse names it."""
     return name.lstrip("-").replace("-", "_")
 
@@ -144,7 +144,7 @@ def docstrings(cls: type) -> dict[str, str]:
     return found
 
 
-def class_docstring(cls: type) -> str | None:
+def _class_docstring(cls: type) -> str | None:
     """The docstring written on `cls`, on one line; None where it has none (`__doc__` then
     holds the signature that `dataclass` makes up)."""
     text = ast.get_docstring(_class_node(cls))
@@ -172,11 +172,13 @@ def _classes(path: str) -> dict[str, ast.ClassDef]:
 # The argparse options of one field ---------------------------------------------------------
 
 
-def _options(f: Field, kind: Any, spec: Flag, help: str) -> dict[str, Any]:
+def _options(f: Field, kind: Any, spec: Flag, doc: str) -> dict[str, Any]:
     value = _default(f)
     options: dict[str, Any] = {"required": True} if value is MISSING else {"default": value}
     shown = "" if value is MISSING else _shown(value)
-    options["help"] = (help + (f" (default: {shown})" if shown else "")).replace("%", "%%")
+    options["help"] = (doc + (f" (default: {shown})" if shown else "")).replace(
+        "%", "%%"
+    )  # argparse formats it
     if spec.metavar is not None:
         options["metavar"] = spec.metavar
     kind, optional = _without_none(kind)
