@@ -29,9 +29,12 @@ from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 _KEY = "molt_proxy.flags"
 
@@ -122,7 +125,7 @@ def _dest(name: str) -> str:
     return name.lstrip("-").replace("-", "_")
 
 
-def default(cls: type, name: str) -> Any:
+def default(cls: type[DataclassInstance], name: str) -> Any:
     """The default of field `name` of dataclass `cls`; MISSING where it has none."""
     return _default(cls.__dataclass_fields__[name])
 

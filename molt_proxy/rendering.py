@@ -241,6 +241,7 @@ class Renders:
         if head is None or messages[-1].get("role") == "assistant":
             return None
         render = self.tokenizer.render
+        start: int | None
         try:
             if earlier is not None and earlier.head == head and m - earlier.start <= CONTEXT + _REACH:
                 alone, start, old = earlier.alone, earlier.start, earlier.text
@@ -248,10 +249,9 @@ class Renders:
                 start = _context(messages, m, head, self.leave_out)
                 if start is None:
                     return None
-                same_head = earlier is not None and earlier.head == head
                 alone = (
                     earlier.alone
-                    if same_head
+                    if earlier is not None and earlier.head == head
                     else render(messages[:head], tools, kwargs, add_generation_prompt=False)
                 )
                 old = render(messages[:head] + messages[start:m], tools, kwargs)

@@ -95,8 +95,8 @@ def is_side(trajectory: dict[str, Any]) -> bool:
     if trajectory.get("status") == SessionStatus.SIDE:
         return True
     info = trajectory.get("info")
-    legacy = trajectory.get("status") == SessionStatus.UNREWARDED and isinstance(info, dict)
-    return legacy and info.get("side") is True
+    legacy = trajectory.get("status") == SessionStatus.UNREWARDED
+    return legacy and isinstance(info, dict) and info.get("side") is True
 
 
 async def then(events: AsyncGenerator[str], done: Callable[[], Awaitable[object]]) -> AsyncGenerator[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,7 +159,12 @@ class Blocks:
             function = call.function
             if self.kind != "tool_use" or self.call != call.index:
                 name = (function.name if function is not None else None) or ""
-                block = {"type": "tool_use", "id": tool_use_id(call.id or ""), "name": name, "input": {}}
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": tool_use_id(call.id or ""),
+                    "name": name,
+                    "input": {},
+                }
                 self._open(block, call.index)
             if function is not None and function.arguments:
                 self._delta({"type": "input_json_delta", "partial_json": function.arguments})
@@ -184,7 +189,7 @@ class Blocks:
 
 
 def _start(completion_id: str, model: str, input_tokens: int, session_id: str) -> str:
-    message = {
+    message: dict[str, Any] = {
         "id": message_id(completion_id),
         "type": "message",
         "role": "assistant",
@@ -206,7 +211,7 @@ def _end(reply: RecordedReply, stop_sequence: str | None, max_tokens: int) -> li
 
 async def encode_message_stream(
     events: AsyncGenerator[StreamEvent], stopped_by: StopSequence, max_tokens: int
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str]:
     """A streamed turn as Anthropic's events. An error before the first event propagates (the
     route answers it as a plain error response); after it, it ends the stream as an `error`
     event. Closing this closes `events`, and with them the turn."""

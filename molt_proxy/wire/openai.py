@@ -14,7 +14,7 @@ roles, content where a role needs it, text-only content.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -366,7 +366,7 @@ class ChunkStream:
 
 async def encode_stream(
     events: AsyncGenerator[StreamEvent], with_usage: bool, token_bytes: TokenBytes
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str]:
     """A streamed turn as OpenAI's server-sent events: a role chunk once vLLM answers, a chunk
     per delta (or per sampled ids whose text the parsers hold back, when logprobs are asked:
     each chunk carries the logprobs of the ids sampled since the last), then the finish

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -359,7 +359,7 @@ def _lines(shape: ReplyShape, items: Items | None, event: StreamEvent) -> tuple[
 
 async def encode_response_stream(
     shape: ReplyShape, events: AsyncGenerator[StreamEvent]
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str]:
     """A streamed turn as the Responses API's events. An error before the first event
     propagates (the route answers it as a plain error response); after it, it ends the stream
     with `response.failed`. Closing this closes `events`, and with them the turn."""
