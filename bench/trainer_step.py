@@ -30,13 +30,13 @@ from trainer.config import LossConfig
 from trainer.policy import Policy
 
 
-def trajectories(rows: int, length: int, vocab: int) -> list[Trajectory]:
-    """Synthetic trajectories: a prompt half and a sampled half (one turn at T = 1)."""
+def trajectories(rows: int, length: int, vocab: int, sampled: int) -> list[Trajectory]:
+    """Synthetic trajectories: a prompt, then `sampled` tokens (one turn at T = 1)."""
     generator = torch.Generator().manual_seed(0)
     out = []
     for row in range(rows):
         ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
-        prompt = length // 2
+        prompt = length - sampled
         mask = [0] * prompt + [1] * (length - prompt)
         out.append(
             Trajectory(
@@ -78,14 +78,14 @@ class PlainLoop:
         self.optimizer.step()
 
 
-def measure(kind: str, rows: int, length: int, steps: int) -> dict[str, Any]:
+def measure(kind: str, rows: int, length: int, sampled: int, steps: int) -> dict[str, Any]:
     model_dir = tiny_model(kind)
     policy = Policy(model_dir, lr=1e-5)
     policy_ppo2 = Policy(model_dir, lr=1e-5)
     policy_kl = Policy(model_dir, lr=1e-5, reference=True)
     plain = PlainLoop(model_dir, lr=1e-5)
     vocab = policy.model.config.vocab_size
-    records = trajectories(rows, length, vocab)
+    records = trajectories(rows, length, vocab, sampled)
     advantages = [1.0 if i % 2 else -1.0 for i in range(rows)]
     batch = collate(records, advantages)
     tokens = int(batch.attention_mask.sum())
@@ -138,13 +138,20 @@ def run(quick: bool = False) -> Section:
         "same model, batch and optimizer, alternating step by step with the trainer's step "
         "(`Policy.ppo_step`: default, `--ppo-epochs 2`, and the reference model on, `--kl-coef 0.1`).",
     )
+    # (model, rows, tokens per row, sampled tokens per row): half sampled, and an agent's turn,
+    # a long prompt and a short reply, where the LM head runs on the sampled tokens alone
     configs = (
-        [("digits", 16, 256), ("qwen3", 4, 128)] if not quick else [("digits", 8, 128), ("qwen3", 2, 128)]
+        [("digits", 16, 256, 128), ("qwen3", 4, 128, 64), ("qwen3", 4, 1024, 32)]
+        if not quick
+        else [("digits", 8, 128, 64), ("qwen3", 2, 128, 64), ("qwen3", 2, 512, 16)]
     )
     rows, breakdown = [], []
-    for kind, batch_rows, length in configs:
-        m = measure(kind, batch_rows, length, steps)
-        name = f"{kind} ({m['params'] / 1e6:.1f}M params, vocab {m['vocab']:,}), {batch_rows}×{length}"
+    for kind, batch_rows, length, sampled in configs:
+        m = measure(kind, batch_rows, length, sampled, steps)
+        name = (
+            f"{kind} ({m['params'] / 1e6:.1f}M params, vocab {m['vocab']:,}), "
+            f"{batch_rows}×{length}, {sampled} sampled per row"
+        )
         rows.append(
             [
                 name,
@@ -171,7 +178,9 @@ def run(quick: bool = False) -> Section:
         f"Median of {steps} steps each after one warm-up step, on CPU (float32, torch's default "
         "threads). Models: the tiny Qwen3 architecture (hidden 64, 2 layers) with the byte-level BPE "
         "of examples/learn_digits.py (`digits`) and with the real Qwen3 vocabulary (`qwen3`), where "
-        "the [B,T,V] logits dominate. Batches: synthetic trajectories, half prompt, half sampled. "
+        "the logits dominate. Batches: synthetic trajectories, a prompt and then sampled tokens; the "
+        "trainer's LM head runs on the sampled tokens alone, the plain loop's on every token (its "
+        "logits are [B,T,V]), which is most of the difference at an agent's shape. "
         "The trainer's step with `--ppo-epochs 2` runs a no-grad forward for pi_old and two updates "
         "(forward, backward, AdamW each) where the default runs one update. With the reference model on, "
         "each micro-batch adds a no-grad forward of the frozen initial weights and the KL term; the "

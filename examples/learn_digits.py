@@ -55,7 +55,8 @@ class Agents:
     def join(self) -> None:
         self.stop.set()
         for thread in self.threads:
-            thread.join(timeout=60)
+            if thread.ident is not None:  # started: a run that failed early never started them
+                thread.join(timeout=60)
 
     def _loop(self) -> None:
         http = httpx.Client(base_url=self.proxy_url, timeout=120)

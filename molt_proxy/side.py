@@ -38,18 +38,6 @@ from molt_proxy.conversation import Conversation
 from molt_proxy.session import Caller
 from molt_proxy.types import SessionStatus
 
-DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title", "^You are a title generator")
-"""Claude Code's title request; OpenCode's (1.18: "You are a title generator. You output ONLY a
-thread title."), which its rollout adapter avoids anyway (`--title`)."""
-
-
-def check_rules(rules: Sequence[str]) -> None:
-    for rule in rules:
-        try:
-            re.compile(rule)
-        except re.error as exc:
-            raise ValueError(f"--side-request {rule!r} is not a regular expression: {exc}") from None
-
 
 def side_rule(conversation: Conversation, caller: Caller, rules: Sequence[str]) -> str | None:
     """The rule that makes this request a side request, if one does. The system prompt is every

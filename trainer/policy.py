@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def token_logprobs(
     share: bool = True,
     *,
     extend_support: bool = False,
+    where: Tensor | None = None,
 ) -> Tensor:
     """[B,T] float32 log p(token_t | tokens_<t), aligned to positions; 0.0 at position 0 and on
     padding. input_ids, attention_mask: [B,T], right-padded. `sampling` ([B,T]): the
@@ -69,21 +71,24 @@ def token_logprobs(
     from float64, and vLLM's numbers carry the same error; gathering the logit and subtracting
     a (more accurate) logsumexp disagreed with them by 1.5e-4, this by 6e-6.
 
-    Cost: the [B,T,V] float32 logits and the [B,T,V] log_softmax, which the backward keeps.
-    At real vocabularies that is the trainer's largest tensor; chunking over T, or a fused
-    kernel, is the next step. `share`: rows' shared prefixes run once (`trainer/prefix.py`).
+    Cost: the [M,V] float32 logits and log_softmax of the M tokens scored, which the backward
+    keeps. `where` ([B,T] bool) names them, e.g. the sampled tokens, the only ones a loss
+    reads (0.0 elsewhere): the LM head then runs on those positions alone (`prefix.logits`);
+    None scores every token. `share`: rows' shared prefixes run once (`trainer/prefix.py`).
     `extend_support`: a token outside its truncation's kept set gets the logprob the KL
     compares (`sampling.py`) instead of the sentinel.
     """
-    logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
+    scored = _Scored.of(model, input_ids, attention_mask, where, share)
     if sampling is None:
-        picked = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, input_ids[:, 1:].unsqueeze(-1))
-        picked = picked.squeeze(-1)
-    else:
-        picked = processed_logprobs(
-            logits, input_ids[:, 1:], sampling.shifted(), extend_support=extend_support
+        picked = scored.logits.log_softmax(dim=-1, dtype=torch.float32).gather(
+            -1, scored.targets.unsqueeze(-1)
         )
-    return _aligned(picked, attention_mask)
+        return scored.placed(picked.squeeze(-1))
+    return scored.placed(
+        processed_logprobs(
+            scored.logits, scored.targets, scored.sampling(sampling), extend_support=extend_support
+        )
+    )
 
 
 def token_logprobs_and_entropy(
@@ -96,20 +101,54 @@ def token_logprobs_and_entropy(
     entropy_grad: bool,
     share: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`token_logprobs`, [B,T] the entropy of the distribution each token was drawn from,
-    aligned the same way, at the tokens of `loss_mask` ([B,T]; 0 elsewhere), and
-    `token_logprobs(extend_support=True)`, the logprobs a KL penalty compares: one forward, one
+    """`token_logprobs(where=loss_mask)`, [B,T] the entropy of the distribution each token was
+    drawn from, and `token_logprobs(where=loss_mask, extend_support=True)`, the logprobs a KL
+    penalty compares, all at the tokens of `loss_mask` ([B,T]; 0 elsewhere): one forward, one
     log_softmax. With a gradient only when `entropy_grad` (an entropy bonus); logging it costs
     an exp and a dot over the vocabulary per trained token."""
-    logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
+    scored = _Scored.of(model, input_ids, attention_mask, loss_mask, share)
+    everywhere = torch.ones_like(scored.targets, dtype=torch.bool)
     picked, entropy, extended = processed_logprobs_and_entropy(
-        logits, input_ids[:, 1:], sampling.shifted(), loss_mask[:, 1:].bool(), entropy_grad=entropy_grad
+        scored.logits, scored.targets, scored.sampling(sampling), everywhere, entropy_grad=entropy_grad
     )
-    return (
-        _aligned(picked, attention_mask),
-        _aligned(entropy, attention_mask),
-        _aligned(extended, attention_mask),
-    )
+    return scored.placed(picked), scored.placed(entropy), scored.placed(extended)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """The logits that score the tokens of [B,T] rows: all of them, or the chosen ones."""
+
+    logits: Tensor
+    """[B,T-1,V], position t-1's logits for token t; or [1,M,V] for the M chosen tokens."""
+    targets: Tensor
+    """[B,T-1] or [1,M]: the tokens they score."""
+    attention_mask: Tensor
+    chosen: Tensor | None
+    """[B,T] bool: the chosen tokens; None: every one."""
+
+    @classmethod
+    def of(
+        cls, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, where: Tensor | None, share: bool
+    ) -> _Scored:
+        if where is None:
+            logits = prefix.logits(model, input_ids, attention_mask, share=share)[:, :-1]
+            return cls(logits, input_ids[:, 1:], attention_mask, None)
+        # position 0 has no logits before it; position t-1's predict token t
+        chosen = nn.functional.pad((where.bool() & attention_mask.bool())[:, 1:], (1, 0))
+        at = nn.functional.pad(chosen[:, 1:], (0, 1))
+        logits = prefix.logits(model, input_ids, attention_mask, share=share, at=at)
+        return cls(logits[None], input_ids[chosen][None], attention_mask, chosen)
+
+    def sampling(self, sampling: TokenSampling) -> TokenSampling:
+        """`sampling` ([B,T]) aligned with `targets`."""
+        return sampling.shifted() if self.chosen is None else sampling.at(self.chosen)
+
+    def placed(self, values: Tensor) -> Tensor:
+        """[B,T]: `values` (aligned with `targets`) at their tokens' positions, 0 elsewhere."""
+        if self.chosen is None:
+            return _aligned(values, self.attention_mask)
+        zeros = torch.zeros(self.chosen.shape, dtype=values.dtype, device=values.device)
+        return zeros.masked_scatter(self.chosen, values)
 
 
 def _aligned(values: Tensor, attention_mask: Tensor) -> Tensor:
@@ -245,14 +284,21 @@ class Policy:
         return merge_updates(updates, epochs)
 
     def logprobs(self, micro_batch: Batch) -> Tensor:
-        """[B,T] `token_logprobs` of a micro-batch under the current weights, on `device`."""
+        """[B,T] `token_logprobs` of a micro-batch's sampled tokens (its loss mask; 0 elsewhere)
+        under the current weights, on `device`."""
         mb = micro_batch.to(self.device)
         return token_logprobs(
-            self.model, mb.input_ids, mb.attention_mask, mb.sampling, share=self.shared_prefix
+            self.model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.sampling,
+            share=self.shared_prefix,
+            where=mb.loss_mask,
         )
 
     def reference_logprobs(self, micro_batch: Batch) -> Tensor:
-        """[B,T] `token_logprobs` of a micro-batch under the frozen reference, on `device`, for
+        """[B,T] `token_logprobs` of a micro-batch's sampled tokens (its loss mask; 0 elsewhere)
+        under the frozen reference, on `device`, for
         the KL: a sampled token outside the reference's truncation gets its logprob with the
         support extended by it (`sampling.py`), never the -87.3 sentinel."""
         if self.reference is None:
@@ -266,6 +312,7 @@ class Policy:
                 mb.sampling,
                 share=self.shared_prefix,
                 extend_support=True,
+                where=mb.loss_mask,
             )
 
     def train_step(

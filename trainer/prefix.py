@@ -22,7 +22,7 @@ the model runs on the padded batch exactly as before. The mask is dense, so only
 implementations that take one are packed (sdpa, eager); others (flash attention) run padded.
 
 Cost: the mask, [trees, n, n] bools; the gathered [B,T,V] logits, as large as the padded
-forward's own.
+forward's own, or only the positions asked for (`logits(at=...)`).
 """
 
 from __future__ import annotations
@@ -147,19 +147,43 @@ def _masks(model: nn.Module, packing: Packing, device: torch.device) -> Tensor |
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, share: bool = True) -> Tensor:
+def logits(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    share: bool = True,
+    at: Tensor | None = None,
+) -> Tensor:
     """[B,T,V] the model's logits of right-padded rows ([B,T]), their shared prefixes computed
-    once when that is smaller (`share`, and an attention implementation in `PACKABLE`)."""
+    once when that is smaller (`share`, and an attention implementation in `PACKABLE`).
+
+    at: [B,T] bool, the positions whose logits are needed: then [M,V], those positions' logits
+    in row-major order (`at.nonzero()`), and the LM head runs on them alone (transformers'
+    `logits_to_keep`). An agent's sampled tokens are a few hundred of a prompt's thousands, and
+    the head is the forward's largest tensor at a real vocabulary: [T,V] float32 per row."""
     config = model.config
     packing = None
     if share and config._attn_implementation in PACKABLE and input_ids.shape[0] > 1:
         packing = pack(input_ids.cpu(), attention_mask.cpu())
     if packing is None:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+        if at is None:
+            return model(input_ids=input_ids, attention_mask=attention_mask).logits
+        rows, cols = at.nonzero(as_tuple=True)
+        keep = cols.unique()
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+        return out[rows, torch.searchsorted(keep, cols)]
     device = input_ids.device
-    out = model(
-        input_ids=packing.input_ids.to(device),
-        position_ids=packing.position_ids.to(device),
-        attention_mask=_masks(model, packing, device),
-    ).logits
-    return out[packing.tree.to(device)[:, None], packing.node.to(device)]
+    tree, node = packing.tree.to(device), packing.node.to(device)
+    packed = {
+        "input_ids": packing.input_ids.to(device),
+        "position_ids": packing.position_ids.to(device),
+        "attention_mask": _masks(model, packing, device),
+    }
+    if at is None:
+        return model(**packed).logits[tree[:, None], node]
+    rows, cols = at.nonzero(as_tuple=True)
+    nodes = node[rows, cols]
+    keep = nodes.unique()
+    out = model(**packed, logits_to_keep=keep).logits
+    return out[tree[rows], torch.searchsorted(keep, nodes)]

@@ -97,6 +97,10 @@ class TokenSampling:
         """Rows `index`, the first `length` positions (copies when `index` is a tensor)."""
         return TokenSampling(*(getattr(self, f.name)[index, :length] for f in fields(self)))
 
+    def at(self, tokens: Tensor) -> TokenSampling:
+        """[1,M]: the M tokens where `tokens` ([B,T] bool) is True, in row-major order."""
+        return TokenSampling(*(getattr(self, f.name)[tokens][None] for f in fields(self)))
+
     def shifted(self) -> TokenSampling:
         """Positions 1..T-1: aligned with the logits of positions 0..T-2 that predict them."""
         return TokenSampling(*(getattr(self, f.name)[:, 1:] for f in fields(self)))

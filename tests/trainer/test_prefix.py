@@ -5,6 +5,7 @@ examples/learn_digits.py: the packing is in the layers, and a 150k vocabulary on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,37 @@ def test_rows_that_share_only_a_short_system_prompt_run_padded() -> None:
     rows = [system + random_ids(gen, 20) for _ in range(4)]
     ids = torch.tensor(rows)
     assert pack(ids, torch.ones_like(ids)) is None
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("records", [group, sealed_episode])
+def test_scoring_only_the_sampled_tokens_gives_their_logprobs_and_gradients_of_the_whole_forward(
+    qwen3_dir: Path, records, share: bool
+) -> None:
+    """`where=loss_mask` runs the LM head on the sampled tokens alone (packed or padded rows),
+    under temperature and truncation too: the same logprobs, 0 elsewhere, and the same gradient."""
+    model = Policy(qwen3_dir).model
+    rows = records(torch.Generator().manual_seed(2))
+    batch = collate(rows, [0.0] * len(rows))
+    sampled = batch.loss_mask.bool()
+    sampling = replace(
+        batch.sampling,
+        temperature=torch.where(sampled, 0.7, 1.0),
+        top_k=torch.where(sampled, 20, 0),
+        top_p=torch.where(sampled, 0.9, 1.0),
+    )
+    args = (model, batch.input_ids, batch.attention_mask, sampling, share)
+
+    whole = token_logprobs(*args)
+    (whole * sampled).sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    scored = token_logprobs(*args, where=batch.loss_mask)
+    scored.sum().backward()
+
+    assert int(sampled.sum()) > 20
+    torch.testing.assert_close(scored[sampled], whole[sampled], rtol=0, atol=1e-5)
+    assert scored[~sampled].eq(0).all()
+    for name, parameter in model.named_parameters():
+        error = float((parameter.grad - expected[name]).norm() / expected[name].norm())
+        assert error <= 1e-5, (name, error)
