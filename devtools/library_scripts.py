@@ -18,10 +18,9 @@ changes what it sends fails there, on the prompt, not on a reply.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from devtools.scripts import Conversation
+from devtools.types import Conversation
 
 QUESTION = "What is the weather in Paris?"
 SMOLAGENTS_TASK = "What is 2 + 2?"

@@ -213,3 +213,84 @@ def test_vllm_qwen3_reasoning_parser_reads_a_thinkless_reply_as_reasoning():
     request = _request(thinking_episode())
     assert parser.extract_reasoning("You're welcome!", request) == ("You're welcome!", None)
     assert parser.extract_reasoning("<think>\nA.\n</think>\n\nB.", request) == ("\nA.\n", "\n\nB.")
+
+
+# --- Teaching ----------------------------------------------------------------------------
+
+
+def _lesson(model_dir: Any, conversations: list[Conversation]) -> tuple[Any, Any, Any]:
+    from devtools import teaching
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    days = teaching._days(tokenizer, conversations)
+    vocab = torch.tensor(sorted({i for day in days for row in day for i in row.prompt + row.reply}))
+    return model, vocab, teaching._lesson(days, vocab, teaching.reach(model))
+
+
+def test_one_forward_per_chain_gives_each_reply_the_states_of_its_own_forward(untaught_qwen3_model):
+    from devtools import teaching
+
+    model, _, weather = _lesson(untaught_qwen3_model, [weather_episode("hermes")])
+    assert [len(batch.ids) for batch in weather.batches] == [1]  # 5 replies, one forward
+    assert len(weather.rows) == 5
+    # Qwen3 drops the first `<think>` block once the second user message comes: two forwards.
+    _, _, thinking = _lesson(untaught_qwen3_model, [thinking_episode()])
+    assert sum(len(batch.ids) for batch in thinking.batches) == 2
+
+    model, vocab, lesson = _lesson(untaught_qwen3_model, DEFAULT_SCRIPTS["qwen3"])
+    with torch.no_grad():
+        chained = teaching._hidden(model, lesson)
+        alone, tokens = {}, {}
+        for i, row in enumerate(lesson.rows):
+            states = model.model(input_ids=torch.tensor([row.prompt + row.reply])).last_hidden_state[0]
+            alone[i], tokens[i] = iter(states[len(row.prompt) - 1 : -1]), iter(row.reply)
+    order = lesson.replies.tolist()
+    assert len(order) == len(chained) == sum(len(row.reply) for row in lesson.rows)
+    assert vocab[lesson.wanted].tolist() == [next(tokens[i]) for i in order]
+    assert (chained - torch.stack([next(alone[i]) for i in order])).abs().max() < 1e-4
+
+
+def test_the_heads_bound_never_overstates_a_tokens_probability():
+    """The head trains the script's rows only and bounds every other token's logit by its norm
+    times the hidden state's: a lower bound on log p, however large the states or the rows."""
+    from devtools.teaching import _Head
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(5000, 64, generator=generator) * 0.02
+    ids = torch.arange(0, 5000, 10)
+    hidden = torch.randn(200, 64, generator=generator) * torch.logspace(-1, 2, 200)[:, None]
+    wanted = torch.randint(0, len(ids), (200,), generator=generator)
+    head = _Head(weight, ids)
+    with torch.no_grad():
+        head.rows.mul_(30)  # as teaching leaves them: far larger than the others
+    trained = weight.clone()
+    head.save_into(trained)
+    exact = torch.log_softmax(hidden @ trained.T, dim=-1)[torch.arange(200), ids[wanted]]
+    bound = head.logprobs(hidden, wanted).detach()
+    assert (bound <= exact + 1e-5).all()
+    assert (exact - bound).max() > 0.1  # a bound, not the softmax itself
+
+
+def test_the_lesson_digest_is_what_teaching_shows_and_no_more():
+    """A capture's own folder is never shown (each teaching day shows one of its `vary`
+    values), so two captures from two folders teach the same weights; a reply, or what a day
+    shows, changes them."""
+    from devtools.teaching import lesson_digest
+
+    source = tokenizer_source("qwen3")
+    if source is None:
+        pytest.skip("no shared qwen3 tokenizer in ../shared/tokenizers")
+
+    def captured(folder: str, reply: str = "Done.", shown: str = "/tmp/x") -> Conversation:
+        messages = [
+            {"role": "system", "content": f"Working directory: {folder}"},
+            {"role": "user", "content": "Write hi to hi.txt"},
+            {"role": "assistant", "content": reply},
+        ]
+        return {"family": "hermes", "tools": None, "messages": messages, "vary": {folder: [shown, "/tmp/y"]}}
+
+    digest = lesson_digest(source, [captured("/tmp/molt-capture-a")])
+    assert lesson_digest(source, [captured("/tmp/molt-capture-b")]) == digest
+    assert lesson_digest(source, [captured("/tmp/molt-capture-a", reply="Done!")]) != digest
+    assert lesson_digest(source, [captured("/tmp/molt-capture-a", shown="/tmp/z")]) != digest
