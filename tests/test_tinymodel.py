@@ -8,9 +8,11 @@ models are built (and taught) once per module.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from devtools import (
@@ -294,3 +296,61 @@ def test_the_lesson_digest_is_what_teaching_shows_and_no_more():
     assert lesson_digest(source, [captured("/tmp/molt-capture-b")]) == digest
     assert lesson_digest(source, [captured("/tmp/molt-capture-a", reply="Done!")]) != digest
     assert lesson_digest(source, [captured("/tmp/molt-capture-a", shown="/tmp/z")]) != digest
+
+
+def _served_rows(tokenizer: Any, conversations: list[Conversation]) -> list[tuple[list[int], list[int]]]:
+    """(prompt, reply + EOS) ids of every scripted reply, as an agent plays it today: the
+    template's date is today's and a capture's folder its own, neither of them ever taught."""
+    rows = []
+    for conv in conversations:
+        for i, message in _assistant_turns(conv):
+            history = [_with_dict_arguments(as_echoed(m, conv["family"])) for m in conv["messages"][:i]]
+            prompt = tokenizer.apply_chat_template(
+                history, tools=conv["tools"], add_generation_prompt=True, tokenize=False
+            )
+            reply = render_reply(message, conv["family"]) + tokenizer.eos_token
+            encode = tokenizer.encode
+            rows.append((encode(prompt, add_special_tokens=False), encode(reply, add_special_tokens=False)))
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_vllm_writes_every_taught_reply_at_temperature_1_with_probability_099(request, arch: Arch):
+    """The teaching's promise, measured where it matters: vLLM's own logprobs of each reply
+    after its prompt (`prompt_logprobs`), on the served model, for every script the model
+    learned (with Qwen3 the captured Claude Code and Codex episodes too, where the CLIs are
+    installed). Teaching asks 0.99 of every reply on the days it shows; here each is played on
+    a day it never showed."""
+    from devtools.tinymodel import taught_scripts
+
+    folder, server = (request.getfixturevalue(f"{arch}_{name}") for name in ("model", "vllm"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    probs = []
+    for prompt, reply in _served_rows(tokenizer, taught_scripts(arch)):
+        body = {
+            "token_ids": prompt + reply,
+            "sampling_params": {"temperature": 1.0, "max_tokens": 1, "prompt_logprobs": 0},
+        }
+        answer = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=600)
+        logprobs = answer.json()["prompt_logprobs"][len(prompt) :]
+        probs.append(
+            math.exp(sum(at[str(token)]["logprob"] for at, token in zip(logprobs, reply, strict=True)))
+        )
+    print(f"{arch}: vLLM p(reply) = {[round(p, 4) for p in probs]}")
+    assert min(probs) >= 0.99
+
+
+def test_a_capture_is_made_once_and_then_read_back(tmp_path):
+    """The harness CLIs run once a day for every build of that day (`devtools.tinymodel`)."""
+    from devtools.tinymodel import _captured
+
+    runs = []
+
+    def capture() -> dict[str, Any]:
+        runs.append(1)
+        return {"bodies": [{"model": "tiny"}], "day": "2026-12-02"}
+
+    path = tmp_path / "captures" / "key.json"
+    assert _captured(path, capture) == _captured(path, capture) == capture()
+    assert len(runs) == 2  # the first `_captured`, and the comparison's own call
+    assert [p.name for p in path.parent.iterdir()] == ["key.json"]  # no partial file left
