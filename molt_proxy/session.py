@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from molt_proxy.auth import Principal
 from molt_proxy.errors import BadRequest
-from molt_proxy.types import Generation, RecordedReply, Sampling, Segment, SessionStatus, Trajectory
+from molt_proxy.types import EchoView, Generation, RecordedReply, Sampling, Segment, SessionStatus, Trajectory
 
 if TYPE_CHECKING:
     from molt_proxy.sessions import Sessions
@@ -244,7 +244,7 @@ class OpenTurn:
         generation: Generation,
         reply: RecordedReply,
         sampling: Sampling | None,
-        echo: bytes | None = None,
+        echo: EchoView | None = None,
     ) -> None:
         hashed, key = self.attempt.request_hash, self.attempt.idempotency_key
         await self.sessions.record(

@@ -23,6 +23,7 @@ from molt_proxy.session import DEFAULT_GROUP_PREFIX, Session
 from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
+    EchoView,
     Generation,
     RecordedReply,
     Sampling,
@@ -252,7 +253,7 @@ class Sessions:
         *,
         sampling: Sampling | None = None,
         idempotency_key: str | None = None,
-        echo: bytes | None = None,
+        echo: EchoView | None = None,
     ) -> None:
         """Persist a turn, then commit it to the session in memory. `sampling`: what vLLM
         sampled it with, recorded on the turn for the trainer. Its retries are known by

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from molt_proxy.types import NOT_SAMPLED, Generation, Sampling, Segment, Turn
+from molt_proxy.types import NOT_SAMPLED, EchoView, Generation, Sampling, Segment, Turn
 
 
 class TokenText(Protocol):
@@ -44,26 +44,6 @@ class PromptPlan:
     @property
     def continues(self) -> bool:
         return self.segment is not None
-
-
-_DROPPED = b"\xff"
-"""Opens an echo view that stands for the end of the turn's prompt too: never a byte of UTF-8,
-so no view of the reply alone (what older stores hold) starts with it."""
-
-
-def echo_replacing(dropped: bytes, view: bytes) -> bytes:
-    """An echo view that stands for the last bytes of the turn's prompt, `dropped` (the end of
-    the generation prompt the template leaves out of the history), and the sampled bytes: kept
-    as one value (the store's `echo`), read by `_echo_parts`."""
-    return _DROPPED + dropped + _DROPPED + view
-
-
-def _echo_parts(echo: bytes | None) -> tuple[bytes, bytes | None]:
-    """The prompt's end an echo view stands for (b"" mostly) and the view (None: no view)."""
-    if echo is None or not echo.startswith(_DROPPED):
-        return b"", echo
-    dropped, view = echo[1:].split(_DROPPED, 1)
-    return dropped, view
 
 
 def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
@@ -127,7 +107,7 @@ def commit_to(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
-    echo: bytes | None = None,
+    echo: EchoView | None = None,
 ) -> Turn:
     """Append a turn to the segment `index` of `segments`, or to a new one opened after the
     others when there is none yet. Serves a live turn and a replayed stored one alike."""
@@ -145,7 +125,7 @@ def commit_turn(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
-    echo: bytes | None = None,
+    echo: EchoView | None = None,
 ) -> Turn:
     """Append the planned turn to `segment`: the chain it continues when `plan.continues`,
     else a fresh empty one."""
@@ -160,12 +140,12 @@ def _append(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None,
-    echo: bytes | None,
+    echo: EchoView | None,
 ) -> Turn:
     """The request's new prompt ids (mask 0), then the sampled ids (mask 1). `sampling` is
-    what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view where it
-    differs from the sampled bytes (or stands for the end of the prompt too,
-    `echo_replacing`), extends the segment's echo bytes."""
+    what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view (None:
+    its sampled bytes), extends the segment's echo bytes in place of the sampled bytes, and
+    of the end of the prompt it stands for too."""
     prompt_start = len(segment.token_ids)
     segment.token_ids.extend(new_ids)
     segment.add_run(len(new_ids), NOT_SAMPLED)
@@ -177,8 +157,10 @@ def _append(
     if echo is not None and segment.echo is None:
         segment.echo = segment.text
     if segment.echo is not None:
-        dropped, view = _echo_parts(echo)
-        segment.echo += new_text.removesuffix(dropped) + (sampled if view is None else view)
+        if echo is None:
+            segment.echo += new_text + sampled
+        else:
+            segment.echo += new_text.removesuffix(echo.dropped) + echo.view
     segment.text += new_text + sampled
     turn = Turn(
         completion_id=completion_id,
