@@ -28,15 +28,16 @@ distinct modules those calls entered; *switches*, how many consecutive kept call
 different modules; *calls*, how many calls were kept. SQL on the store's thread and vLLM's
 stand-in run in other threads and are not counted.
 
-Before the `Turn` (issue 29; `main` at 43096a0, Python 3.11; the same on every run):
+Before and after the `Turn` (issue 29; before: `main` at 43096a0; Python 3.11; the same on
+every run; docs/architecture.md shows them too):
 
-    turn               modules  switches  calls
-    chat                    30       111    399
-    chat-stream             31       269    740
-    messages                31       116    430
-    messages-stream         31       259    762
-    responses               34       117    423
-    responses-stream        34       294    831
+    turn               modules      switches     calls
+    chat               30 -> 29    111 -> 106    399 -> 389
+    chat-stream        31 -> 30    269 -> 247    740 -> 724
+    messages           31 -> 29    116 -> 106    430 -> 420
+    messages-stream    31 -> 30    259 -> 231    762 -> 746
+    responses          34 -> 32    117 -> 108    423 -> 414
+    responses-stream   34 -> 33    294 -> 272    831 -> 822
 """
 
 from __future__ import annotations

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from molt_proxy.errors import BadRequest
-from molt_proxy.render_probe import Featured, Messages, Window, Windows, probe
-from molt_proxy.render_probe import window as by_window
+from molt_proxy.render_probe import Featured, Messages, Window, Windows, probe, window
 from molt_proxy.tokenizer import Tokenizer
 
 Probed = TypeVar("Probed")
@@ -99,25 +98,33 @@ class Renders:
         window where one is checked, else the whole history. The cache keeps `messages` (the
         list itself: `after` finds its render by it), which must not change afterwards."""
         parent = self._parent(messages, tools, kwargs)
-        text, window = None, None
+        text, made = None, None
         if parent is None:
-            windows, featured, nested = (
-                self.windows(tools, kwargs),
-                self.featured.any(messages),
-                _nested(messages, 0),
-            )
+            nested = _nested(messages, 0)
+            windows, featured = self.windows(tools, kwargs), self.featured.any(messages)
         else:
             m = len(parent.messages)
+            nested = parent.nested + _nested(messages, m)
             windows, new = parent.windows, self.featured.any(messages[m:])
-            featured, nested = parent.featured or new, parent.nested + _nested(messages, m)
+            featured = parent.featured or new
             if windows.allow(parent.featured, new):
-                found = self.window(parent.text, m, messages, tools, kwargs, True, parent.window)
+                found = window(
+                    self.tokenizer.render,
+                    parent.text,
+                    m,
+                    messages,
+                    tools,
+                    kwargs,
+                    True,
+                    self.leave_out,
+                    parent.window,
+                )
                 if found is not None:
-                    text, window = parent.text + found[0], found[1]
+                    text, made = parent.text + found[0], found[1]
                     self.windowed += 1
         if text is None:
             text = self.tokenizer.render(messages, tools, kwargs)
-        entry = _Entry(messages, tools, kwargs, text, featured, windows, window, nested)
+        entry = _Entry(messages, tools, kwargs, text, featured, windows, made, nested)
         entry.dropped = None if parent is None else parent.dropped
         self._remember(entry, parent)
         return text
@@ -142,7 +149,17 @@ class Renders:
             windows, featured, earlier = self.windows(tools, kwargs), self.featured.any(messages), None
         whole = messages + more
         if not dropped and windows.allow(featured, self.featured.any(more)):
-            found = self.window(text, len(messages), whole, tools, kwargs, False, earlier)
+            found = window(
+                self.tokenizer.render,
+                text,
+                len(messages),
+                whole,
+                tools,
+                kwargs,
+                False,
+                self.leave_out,
+                earlier,
+            )
             if found is not None:
                 self.windowed += 1
                 return found[0]
@@ -188,20 +205,6 @@ class Renders:
                 if len(cache) > _PROBES:
                     del cache[next(iter(cache))]
         return found
-
-    def window(
-        self,
-        text: str,
-        m: int,
-        messages: Messages,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-        add_generation_prompt: bool,
-        earlier: Window | None = None,
-    ) -> tuple[str, Window] | None:
-        """`render_probe.window` with this tokenizer, leaving out at least `leave_out` messages."""
-        render, leave_out = self.tokenizer.render, self.leave_out
-        return by_window(render, text, m, messages, tools, kwargs, add_generation_prompt, leave_out, earlier)
 
     def _parent(
         self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]

@@ -10,7 +10,6 @@ run, is `turns.py`.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 import uuid
 from typing import Any
@@ -36,10 +35,6 @@ from molt_proxy.types import (
 
 def unknown_session(session_id: str) -> NotFound:
     return NotFound(f"no session {session_id!r}", param="session_id")
-
-
-def request_hash(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()
 
 
 class Sessions:

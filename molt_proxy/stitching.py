@@ -3,11 +3,12 @@
 A session holds several chains (segments), all open: a request continues the one whose bytes
 its render extends furthest, or opens a new one when it extends none (a rewritten history,
 a sub-agent with a system prompt of its own); the others stay as they are and may be
-continued later. Pure: no I/O, no locks. The session layer calls `plan_prompt` before
-generation and `commit_to` only after generation succeeded, so a failed or retried request
-never double-appends. Which chain a turn joins is decided once, by `plan_prompt`, and
-becomes a segment index (`segment_index`) that the live turn and a restart's replay both
-commit to.
+continued later. Pure: no I/O, no locks. A turn matches its render against the chains once,
+when it is admitted (`match`: the chains it continues, which its claim then keeps as they
+are), plans on that match before generation (`plan_match`) and commits (`commit_to`) only
+after generation succeeded, so a failed or retried request never double-appends. Which chain
+a turn joins is decided once, by its plan, and becomes a segment index (`segment_index`) that
+the live turn and a restart's replay both commit to.
 """
 
 from __future__ import annotations
@@ -60,25 +61,45 @@ def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
     return None
 
 
-def continued(segments: Sequence[Segment], rendered: bytes) -> list[tuple[int, Segment]]:
-    """The chains `rendered` continues (`continued_length`), the furthest first, each with the
-    number of bytes it stands for; among equal lengths the newest chain first."""
+@dataclass(slots=True, frozen=True)
+class Match:
+    """A render against a session's chains (`match`): the ones it continues, the furthest
+    first, each with the number of bytes of `rendered` it stands for (`continued_length`);
+    among equal lengths the newest chain first."""
+
+    rendered: bytes
+    chains: list[tuple[int, Segment]]
+    indices: frozenset[int]
+    """The chains a turn on this render appends to one of: what its claim holds."""
+    furthest: int | None
+    """How many bytes the furthest chain stands for; None: the render continues none."""
+
+
+def match(segments: Sequence[Segment], rendered: bytes) -> Match:
     found = [(n, s) for s in segments if (n := continued_length(s, rendered)) is not None]
-    return sorted(found, key=lambda m: (m[0], m[1].index), reverse=True)
+    chains = sorted(found, key=lambda m: (m[0], m[1].index), reverse=True)
+    indices = frozenset(segment.index for _, segment in chains)
+    return Match(rendered, chains, indices, chains[0][0] if chains else None)
 
 
 def plan_prompt(segments: Sequence[Segment], rendered: str, tokenizer: TokenText) -> PromptPlan:
-    """Continue the chain the render extends furthest (`continued`): the prompt is that
-    segment's ids and the rest of the render tokenized; if it extends none, open a new one.
+    """`plan_match` on the chains `segments` that `rendered` continues."""
+    return plan_match(match(segments, rendered.encode()), rendered, tokenizer)
+
+
+def plan_match(matched: Match, rendered: str, tokenizer: TokenText) -> PromptPlan:
+    """Continue the chain the render extends furthest (`matched.rendered` is `rendered`'s
+    bytes): the prompt is that segment's ids and the rest of the render tokenized; if it
+    extends none, open a new one.
 
     Bytes, not str: a segment may end inside a multi-byte character (a length cut), and
     decode would hide that. A suffix that does not start on a character boundary cannot be
     tokenized on its own, so that chain is not continued (a shorter one may be).
     """
-    full = rendered.encode()
-    for matched, segment in continued(segments, full):
+    full = matched.rendered
+    for length, segment in matched.chains:
         try:
-            suffix = full[matched:].decode()
+            suffix = full[length:].decode()
         except UnicodeDecodeError:
             continue
         new_ids = tokenizer.encode(suffix) if suffix else []

@@ -48,11 +48,10 @@ from vllm.entrypoints.anthropic.protocol import (
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from molt_proxy.conversation import Conversation, echoed_call_ids
+from molt_proxy.conversation import Conversation, check_sampling, echoed_call_ids, sampling_fields
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.jsonbody import decode_json_object
-from molt_proxy.wire.openai import check_sampling, sampling_fields
 
 _BILLING_HEADER = "x-anthropic-billing-header"
 _UNSUPPORTED = frozenset({"image", "document", "search_result", "container_upload"})
