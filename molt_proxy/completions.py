@@ -23,7 +23,7 @@ the order it runs:
 7. end: the claim released, a side request's session closed.
 
 How many modules a turn crosses, and how often control switches between them, is measured by
-`python -m devtools.trace_turn` (docs/architecture.md has the numbers).
+`python -m devtools.doctools.trace_turn` (docs/architecture.md has the numbers).
 
 Streaming sends deltas as vLLM samples ids and records the turn once vLLM has finished, just
 before the last event goes out. A client that disconnects earlier cancels the stream: vLLM

@@ -147,8 +147,6 @@ class MessagesCall:
 
     conversation: Conversation
     stream: bool
-    stop_sequences: list[str]
-    """The request's stop strings: the reply says which one ended it (`stop_sequence`)."""
     max_tokens: int
     """The request's `max_tokens` (0 for `count_tokens`): a length cut short of it met the end
     of the context (`model_context_window_exceeded`)."""
@@ -187,9 +185,8 @@ def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall
         session_id=metadata_session(data.get("metadata")),
         call_ids=echoed_call_ids(messages),
     )
-    stop = list(getattr(request, "stop_sequences", None) or [])
     max_tokens = getattr(request, "max_tokens", 0)
-    return MessagesCall(conversation, bool(getattr(request, "stream", False)), stop, max_tokens)
+    return MessagesCall(conversation, bool(getattr(request, "stream", False)), max_tokens)
 
 
 def _validate(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:

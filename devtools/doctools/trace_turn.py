@@ -1,8 +1,12 @@
 """How many of the proxy's modules one turn crosses, and how often control switches between them:
 one representative turn per API format, traced through the real app.
 
-    python -m devtools.trace_turn                 # the table
-    python -m devtools.trace_turn --show chat     # one turn's calls, module by module
+    python -m devtools.doctools.trace_turn               # the table
+    python -m devtools.doctools.trace_turn --show chat   # one turn's calls, module by module
+
+Its numbers are docs/architecture.md's (One turn, module by module). It lives in `doctools/`,
+not beside `devtools/tinymodel.py`, whose build key hashes the files there: editing it does not
+rebuild a taught model.
 
 The app is `create_app` with the real Qwen3 tokenizer and chat template and a real SQLite
 store, driven in this process through httpx's `ASGITransport` (no socket between client and
@@ -29,7 +33,7 @@ different modules; *calls*, how many calls were kept. SQL on the store's thread 
 stand-in run in other threads and are not counted.
 
 Before and after the `Turn` (issue 29; before: `main` at 43096a0; Python 3.11; the same on
-every run; docs/architecture.md shows them too):
+every run):
 
     turn               modules      switches     calls
     chat               30 -> 29    111 -> 106    399 -> 389
@@ -276,7 +280,7 @@ def trace(turns: list[str]) -> dict[str, list[Call]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m devtools.trace_turn", description=__doc__.split("\n\n")[0]
+        prog="python -m devtools.doctools.trace_turn", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--show", choices=TURNS, help="print this turn's calls, module by module")
     args = parser.parse_args(argv)
