@@ -2,7 +2,8 @@
 models that tests, examples and benchmarks run on, the scripts they learn, and the tasks the
 examples reward. Imports torch and transformers only inside the functions that need them.
 
-`molt-proxy build-tiny-model` imports this package, and nothing else in `molt_proxy` does.
+`python -m devtools build-tiny-model` builds a tiny model from the command line (`__main__.py`).
+Nothing in `molt_proxy`, `trainer` or `rollout` imports this package.
 """
 
 from devtools.digits import PROMPTS, digit_share

@@ -3,8 +3,9 @@
 Nothing can be downloaded on development or CI machines, so the Qwen3 and Llama-3.2
 tokenizers (and chat templates) are kept in a folder beside the checkout,
 `../shared/tokenizers/{qwen3,llama3.2}`. `$MOLT_PROXY_TOKENIZERS` names another folder of
-the same shape; `build_tiny_model(tokenizer_dir=...)` (or `molt-proxy build-tiny-model
---tokenizer-dir`) names one tokenizer directly. The runtime package never looks here.
+the same shape; `build_tiny_model(tokenizer_dir=...)` (or `python -m devtools
+build-tiny-model --tokenizer-dir`) names one tokenizer directly. The runtime package never
+looks here.
 """
 
 from __future__ import annotations

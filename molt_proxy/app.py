@@ -27,6 +27,7 @@ from molt_proxy.routes import router
 from molt_proxy.routes_responses import router as responses_router
 from molt_proxy.telemetry import Instrument
 from molt_proxy.telemetry import router as telemetry_router
+from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.transfer import router as transfer_router
 from molt_proxy.viewer import install_docs
 from molt_proxy.viewer import router as viewer_router
@@ -73,10 +74,12 @@ def create_app(
     settings: Settings,
     supervisors: Mapping[str, Supervision] | None = None,
     upstreams: Sequence[UpstreamClient] = (),
+    tokenizer: Tokenizer | None = None,
 ) -> FastAPI:
     """`supervisors`: by URL, for the vLLM servers `serve` launched (`launcher.Supervisor`);
-    `upstreams`: replicas built by `serve` itself (Ray actors), else one per settings URL."""
-    proxy = Proxy(settings, supervisors, upstreams)
+    `upstreams`: replicas built by `serve` itself (Ray actors), else one per settings URL;
+    `tokenizer`: `settings.model`'s, if the caller has it loaded already."""
+    proxy = Proxy(settings, supervisors, upstreams, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

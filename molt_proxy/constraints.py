@@ -99,8 +99,9 @@ def structured_outputs(
         )
     # Only a tool parser adjusts structured outputs, and only for a request with tools: a request
     # without any skips building a parser (the common case, on every turn).
-    adjust = parser_cls is not None and bool(request.tools)
-    params = _adjusted(request, parser_cls, hf).extract_structured_outputs() if adjust else requested
+    params = requested
+    if parser_cls is not None and request.tools:
+        params = _adjusted(request, parser_cls, hf).extract_structured_outputs()
     # forced calls must be in the template's markup; one call at most needs any constraint
     if (forced and (params is None or params.structural_tag is None)) or (single and params is None):
         param, what = _FORCED if forced else _SINGLE

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Self
@@ -325,6 +325,9 @@ class Supervisor:
 
     Killing and relaunching is all it does: the probe that next passes brings the replica back
     through `Replicas`, which gives it the current weights before any traffic.
+
+    `clock` (monotonic seconds) is what every window, back-off and boot timeout is measured
+    on: a test steps a clock of its own through minutes of restarts instead of waiting them.
     """
 
     def __init__(
@@ -336,6 +339,7 @@ class Supervisor:
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
         boot_timeout_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.server = server
         self.restarts = 0
@@ -343,10 +347,11 @@ class Supervisor:
         self._max_restarts, self._window_s = max_restarts, window_s
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._boot_timeout_s = boot_timeout_s
+        self._clock = clock
         self._recent: deque[float] = deque()
         """When the restarts within the last `window_s` happened (monotonic seconds)."""
         self._state = ProcessState.BOOTING
-        self._since = time.monotonic()
+        self._since = clock()
         self._relaunch_at = 0.0
         self._exit_code: int | None = None
 
@@ -369,7 +374,7 @@ class Supervisor:
 
     async def observe(self, healthy: bool) -> None:
         """Act on one health probe of this server; never raises (the watcher calls it)."""
-        now = time.monotonic()
+        now = self._clock()
         if self._state is ProcessState.GAVE_UP:
             return
         if self._state is ProcessState.BACKING_OFF:
@@ -396,7 +401,7 @@ class Supervisor:
         except OSError as exc:
             log.error("could not kill vLLM at %s: %r", self.url, exc)
         self._exit_code = self.server.returncode
-        self._failed(why, time.monotonic())  # the back-off runs from the kill, however long it took
+        self._failed(why, self._clock())  # the back-off runs from the kill, however long it took
 
     def _failed(self, why: str, now: float) -> None:
         while self._recent and now - self._recent[0] > self._window_s:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
+from typing import Literal
 
-FORMATS = ("text", "json")
+Format = Literal["text", "json"]
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -58,7 +59,7 @@ class TextFormatter(logging.Formatter):
         return escape_controls(super().formatMessage(record))
 
 
-def configure(log_format: str) -> None:
+def configure(log_format: Format) -> None:
     """Route every log record at INFO and above through one stderr handler in `log_format`."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter(TEXT))

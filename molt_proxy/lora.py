@@ -46,7 +46,8 @@ def check_adapter_dir(path: str) -> str:
     try:
         folder = Path(path).resolve(strict=True)
     except (OSError, RuntimeError) as exc:
-        raise BadRequest(f"{path} cannot be resolved: {exc.strerror or exc}", param="path") from None
+        why = getattr(exc, "strerror", None) or exc  # Python 3.11's symlink-loop RuntimeError has none
+        raise BadRequest(f"{path} cannot be resolved: {why}", param="path") from None
     config = folder / ADAPTER_CONFIG
     if not config.is_file():
         raise BadRequest(

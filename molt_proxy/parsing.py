@@ -156,7 +156,9 @@ class ReplyParser:
         return self._tool_cls is not None and bool(request.tools) and request.tool_choice != "none"
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
-        return self._tool_cls(self.tokenizer.hf, request.tools) if self._tools_enabled(request) else None
+        if self._tool_cls is None or not self._tools_enabled(request):
+            return None
+        return self._tool_cls(self.tokenizer.hf, request.tools)
 
     def _skip_special(self, request: ChatCompletionRequest) -> bool:
         """Parsers need special tokens (`<tool_call>`, `</think>`) in the text they read."""

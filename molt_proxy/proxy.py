@@ -40,13 +40,15 @@ class Proxy:
         settings: Settings,
         supervisors: Mapping[str, Supervision] | None = None,
         upstreams: Sequence[UpstreamClient] = (),
+        tokenizer: Tokenizer | None = None,
     ):
         """`upstreams`: replicas the caller built (Ray actors, `ray_replicas.py`); without them,
-        one `Upstream` per URL of `settings.upstreams`."""
+        one `Upstream` per URL of `settings.upstreams`. `tokenizer`: `settings.model`'s, loaded
+        already (it takes seconds: tests that start hundreds of proxies load it once)."""
         self.settings = settings
         self.keys = auth.Keys(settings.admin_key, settings.agent_keys)
         self.store = Store(settings.db_path)
-        self.tokenizer = Tokenizer.load(settings.model)
+        self.tokenizer = tokenizer or Tokenizer.load(settings.model)
         # Read once now: it walks the vocabulary holding the GIL (~0.1 s), which the first
         # large request would otherwise do in its worker thread, stalling every other client.
         self.tokenizer.max_token_bytes  # noqa: B018

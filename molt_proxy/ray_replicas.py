@@ -33,7 +33,6 @@ down; `RayTokenAuthError` says what to do instead.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import AsyncGenerator
@@ -99,19 +98,6 @@ def token_auth_hint(address: str) -> str:
         "the cluster with RAY_AUTH_MODE=disabled on every node. "
         "See https://docs.ray.io/en/latest/ray-security/token-auth.html"
     )
-
-
-def parse_resources(spec: str) -> dict[str, float]:
-    """`--replica-resources`: a JSON object of Ray resources per replica, e.g. '{"GPU": 1}'."""
-    try:
-        resources = json.loads(spec)
-    except ValueError:
-        raise ValueError(f"{spec!r} is not JSON") from None
-    if not isinstance(resources, dict) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in resources.values()
-    ):
-        raise ValueError(f"{spec!r} is not a JSON object of resource amounts (numbers >= 0)")
-    return {str(name): float(amount) for name, amount in resources.items()}
 
 
 def actor_options(resources: dict[str, float], max_restarts: int) -> dict[str, Any]:

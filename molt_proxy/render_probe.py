@@ -53,7 +53,8 @@ class Render(Protocol):
         self,
         messages: Messages,
         tools: list[dict[str, Any]] | None,
-        template_kwargs: dict[str, Any],
+        kwargs: dict[str, Any],
+        /,
         *,
         add_generation_prompt: bool = True,
     ) -> str: ...
@@ -94,6 +95,7 @@ def window(
     head = _head_end(messages)
     if head is None or messages[-1].get("role") == "assistant":
         return None
+    start: int | None
     try:
         if earlier is not None and earlier.head == head and m - earlier.start <= CONTEXT + _REACH:
             alone, start, old = earlier.alone, earlier.start, earlier.text
@@ -101,10 +103,9 @@ def window(
             start = _context(messages, m, head, leave_out)
             if start is None:
                 return None
-            same_head = earlier is not None and earlier.head == head
             alone = (
                 earlier.alone
-                if same_head
+                if earlier is not None and earlier.head == head
                 else render(messages[:head], tools, kwargs, add_generation_prompt=False)
             )
             old = render(messages[:head] + messages[start:m], tools, kwargs)

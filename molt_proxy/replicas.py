@@ -349,6 +349,7 @@ class Replicas:
                 log.exception("replica health check failed")
 
     async def _check(self, replica: Replica) -> None:
+        why: object
         try:
             ok = await asyncio.wait_for(replica.upstream.healthy(), self._health_timeout_s)
         except TimeoutError:  # hung: it accepts connections and never answers

@@ -287,7 +287,7 @@ async def post_reward(request: Request) -> dict[str, Any]:
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CHAT)
     body = RewardBody.decode(await request.body(), proxy.settings.reward_range)
-    session_id = body.session_id
+    session_id = body.session_id or ""  # given whenever completion_id is not (`RewardBody.decode`)
     completion_id = body.completion_id and recorded_completion_id(responses_completion_id(body.completion_id))
     if completion_id is not None:
         session_id = await proxy.sessions.of_completion(completion_id, principal)

@@ -4,7 +4,8 @@ the record of what was applied (`types.Sampling`).
 Pure, and independent of the API format: a wire module turns a request into vLLM sampling
 fields (`Conversation.sampling`); `effective_sampling` pins and normalises them and says what
 vLLM will apply, so the fields sent and the fields recorded are the same. It does not check
-what agents send (the wire module does, at the edge).
+what agents send (the wire module does, at the edge), nor the pins (`config.py` reads and
+checks them with the other settings).
 
 RL wants on-policy samples, and many agents hard-code a temperature of 0.7 or greedy
 decoding: `--sampling temperature=1,top_p=1` overrides whatever they send.
@@ -12,67 +13,14 @@ decoding: `--sampling temperature=1,top_p=1` overrides whatever they send.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from molt_proxy.types import Sampling
 
-PINNABLE: dict[str, type] = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-}
-"""The fields `--sampling` may pin, with their types."""
-
 # vLLM 0.32 `SamplingParams.__post_init__`: a temperature in (0, 0.01) runs at 0.01, and 0 is
 # greedy, which sets top_p 1, top_k 0 and min_p 0.
 _MIN_TEMPERATURE = 0.01
-
-
-def parse_pins(spec: str) -> dict[str, float | int]:
-    """`"temperature=1,top_p=1"` → `{"temperature": 1.0, "top_p": 1.0}`; ValueError on an
-    unknown field, a malformed pair or a value out of vLLM's range."""
-    pins: dict[str, float | int] = {}
-    for pair in filter(None, (part.strip() for part in spec.split(","))):
-        name, sep, value = (part.strip() for part in pair.partition("="))
-        if not sep or not name or not value:
-            raise ValueError(f"sampling pin {pair!r} is not NAME=VALUE")
-        kind = PINNABLE.get(name)
-        if kind is None:
-            raise ValueError(f"cannot pin sampling field {name!r}; known: {', '.join(PINNABLE)}")
-        try:
-            pins[name] = kind(value)
-        except ValueError:
-            raise ValueError(
-                f"sampling pin {name}={value!r} is not {'an integer' if kind is int else 'a number'}"
-            ) from None
-    check_pins(pins)
-    return pins
-
-
-def check_pins(pins: Mapping[str, float | int]) -> None:
-    """Known fields with values vLLM accepts (`SamplingParams._verify_args`); ValueError if not."""
-    for name, value in pins.items():
-        if name not in PINNABLE:
-            raise ValueError(f"cannot pin sampling field {name!r}; known: {', '.join(PINNABLE)}")
-        accepts, allowed = _RANGES.get(name, _PENALTY)
-        if not (math.isfinite(value) and accepts(value)):
-            raise ValueError(f"sampling pin {name}={value} is out of range: {allowed}")
-
-
-_PENALTY = (lambda v: -2.0 <= v <= 2.0, "[-2, 2]")
-_RANGES = {
-    "temperature": (lambda v: 0.0 <= v <= 2.0, "[0, 2]"),
-    "top_p": (lambda v: 0.0 < v <= 1.0, "(0, 1]"),
-    "top_k": (lambda v: v >= -1, "-1 or 0 (off), or at least 1"),
-    "min_p": (lambda v: 0.0 <= v <= 1.0, "[0, 1]"),
-    "repetition_penalty": (lambda v: v > 0.0, "above 0"),
-}
 
 
 def effective_sampling(

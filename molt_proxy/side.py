@@ -26,23 +26,9 @@ found. The rule itself is here, apart from the turn, because the settings check 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from typing import Any
 
 from molt_proxy.types import SessionStatus
-
-DEFAULT_SIDE_REQUESTS = ("a concise, sentence-case title", "^You are a title generator")
-"""Claude Code's title request; OpenCode's (1.18: "You are a title generator. You output ONLY a
-thread title."), which its rollout adapter avoids anyway (`--title`)."""
-
-
-def check_rules(rules: Sequence[str]) -> None:
-    for rule in rules:
-        try:
-            re.compile(rule)
-        except re.error as exc:
-            raise ValueError(f"--side-request {rule!r} is not a regular expression: {exc}") from None
 
 
 def side_info(rule: str) -> dict[str, Any]:
@@ -55,5 +41,5 @@ def is_side(trajectory: dict[str, Any]) -> bool:
     if trajectory.get("status") == SessionStatus.SIDE:
         return True
     info = trajectory.get("info")
-    legacy = trajectory.get("status") == SessionStatus.UNREWARDED and isinstance(info, dict)
-    return legacy and info.get("side") is True
+    legacy = trajectory.get("status") == SessionStatus.UNREWARDED
+    return legacy and isinstance(info, dict) and info.get("side") is True

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from molt_proxy.store_advantages import SCHEMA as ADVANTAGES_SCHEMA
 from molt_proxy.store_migrations import (
@@ -402,7 +402,7 @@ def _close_session(
             "INSERT INTO trajectories (trajectory_id, session_id, data) VALUES (?, ?, '')",
             (trajectory.trajectory_id, session_id),
         )
-        trajectory.seq = cursor.lastrowid
+        trajectory.seq = cast(int, cursor.lastrowid)  # an INSERT's row id: never None
         data = trajectory.to_json()
         del data["info"]  # once per session, in its row: `_with_info` puts it back on read
         db.execute(

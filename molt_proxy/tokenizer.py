@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -226,7 +227,7 @@ class Tokenizer:
         self._cache[token_id] = raw
         return raw
 
-    def ids_bytes(self, ids: list[int]) -> bytes:
+    def ids_bytes(self, ids: Sequence[int]) -> bytes:
         return b"".join(self.token_bytes(i) for i in ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:

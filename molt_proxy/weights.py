@@ -33,7 +33,8 @@ def check_weights_dir(path: str) -> str:
     try:
         folder = Path(path).resolve(strict=True)
     except (OSError, RuntimeError) as exc:  # missing, a symlink loop, unreadable
-        raise BadRequest(f"{path} cannot be resolved: {exc.strerror or exc}", param="path") from None
+        why = getattr(exc, "strerror", None) or exc  # Python 3.11's symlink-loop RuntimeError has none
+        raise BadRequest(f"{path} cannot be resolved: {why}", param="path") from None
     if not folder.is_dir():
         raise BadRequest(f"{path} is not a directory", param="path")
     _check_config(folder / "config.json")

@@ -50,21 +50,37 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return folder
 
 
-def _model(tmp_path_factory: pytest.TempPathFactory, arch: Arch) -> Path:
+def only_for_slow_tests(request: pytest.FixtureRequest) -> None:
+    """Fail a test not marked `vllm` (`pytest_collection_modifyitems`) that needs a tiny model
+    built (minutes), whether it asked for one by name (`request.getfixturevalue`, which
+    collection cannot see) or through a fixture of its own, instead of costing the fast tier
+    (`-m "not vllm"`) minutes. A session fixture's request names the test that set it up."""
+    item = getattr(request, "_pyfuncitem", None)
+    if item is not None and item.get_closest_marker("vllm") is None:
+        pytest.fail(
+            f"{item.nodeid} builds a tiny model ({request.fixturename}) but is not marked vllm: "
+            "add it to SLOW_TESTS in tests/conftest.py",
+            pytrace=False,
+        )
+
+
+def _model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, arch: Arch) -> Path:
+    only_for_slow_tests(request)
     if tokenizer_source(arch) is None:
         pytest.skip(f"the real {arch} tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
     return built_once(tmp_path_factory, f"tiny-{arch}", lambda folder: build_tiny_model(folder, arch))
 
 
 @pytest.fixture(scope="session")
-def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _model(tmp_path_factory, "qwen3")
+def qwen3_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _model(request, tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="session")
-def untaught_qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def untaught_qwen3_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 with the real tokenizer, never taught: a weak policy, as RL starts
     from, for the paths a grammar forces (tool calls, JSON) that it would never take itself."""
+    only_for_slow_tests(request)
     if tokenizer_source("qwen3") is None:
         pytest.skip("the real qwen3 tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
     return built_once(
@@ -83,8 +99,8 @@ def untaught_qwen3_vllm(
 
 
 @pytest.fixture(scope="session")
-def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _model(tmp_path_factory, "llama")
+def llama_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _model(request, tmp_path_factory, "llama")
 
 
 def _vllm(model: Path, log_dir: Path, max_model_len: int = MAX_MODEL_LEN) -> Iterator[VLLMServer]:
@@ -163,8 +179,9 @@ def start_proxy(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def digits_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def digits_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny model with the small self-trained byte-level tokenizer (fast to train)."""
+    only_for_slow_tests(request)
     return built_once(
         tmp_path_factory,
         "tiny-digits",
@@ -234,8 +251,14 @@ SLOW_FIXTURES = {
     "qwen3_vllm", "untaught_qwen3_vllm", "llama_vllm", "digits_vllm",
 }  # fmt: skip
 """Fixtures that build (or teach) a tiny model or boot vLLM: minutes on a fresh machine."""
-SLOW_FILES = {"test_launcher.py", "test_ray_auth.py", "trainer/test_workers.py", "trainer/test_lora.py"}
+SLOW_FILES = {
+    "test_launcher.py", "test_ray_auth.py", "trainer/test_workers.py", "trainer/test_lora.py",
+    "trainer/test_end_to_end.py",
+}  # fmt: skip
 """Files that start vLLM, Ray or a trainer themselves, without those fixtures."""
+SLOW_TESTS = {"test_tinymodel.py::test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it"}
+"""Tests that ask for a slow fixture by name (`request.getfixturevalue`), which collection
+cannot see; `only_for_slow_tests` fails any other such test that is not marked."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -247,10 +270,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the slow tests `vllm`; order the files `SLOW_FIRST`, then any other file with a
+    slow test (one added since the list was measured), then the in-process ones."""
     tests = Path(__file__).parent
+    slow_files = set()
     for item in items:
         name = item.path.relative_to(tests).as_posix()
-        if name in SLOW_FILES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        test = f"{name}::{getattr(item, 'originalname', item.name)}"
+        if name in SLOW_FILES or test in SLOW_TESTS or SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.vllm)
+            slow_files.add(name)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(SLOW_FIRST)))
+
+    def order(item: pytest.Item) -> int:
+        name = item.path.relative_to(tests).as_posix()
+        return rank.get(name, len(SLOW_FIRST) + (name not in slow_files))
+
+    items.sort(key=order)

@@ -18,10 +18,9 @@ from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMess
 from devtools.scripts import WEATHER_TOOL, render_reply, weather_episode
 from devtools.tokenizers import tokenizer_source
 from molt_proxy.cli import parser
-from molt_proxy.config import Settings
+from molt_proxy.config import DEFAULT_SIDE_REQUESTS, Settings
 from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
-from molt_proxy.side import DEFAULT_SIDE_REQUESTS
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
 from molt_proxy.wire.anthropic_reply import Blocks, encode_message_stream

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from devtools.claude_code import ANSWER, COMMAND, installed, recording_server, run_claude
-from molt_proxy.side import DEFAULT_SIDE_REQUESTS
+from molt_proxy.config import DEFAULT_SIDE_REQUESTS
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
 from tests.helpers import assert_exact, trajectories

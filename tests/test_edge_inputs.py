@@ -235,6 +235,7 @@ def test_a_text_log_line_escapes_the_control_characters_a_client_sent(client, ca
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     capsys.readouterr()
+    root.handlers.clear()  # out of `configure`'s reach: basicConfig(force=True) closes what it removes
     logs.configure("text")
     try:
         response = client.post("/s/a%0A2026-12-02 INFO forged/v1/chat/completions", json=chat_body())

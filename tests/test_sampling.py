@@ -17,8 +17,7 @@ import pytest
 
 from molt_proxy import store
 from molt_proxy.cli import parser
-from molt_proxy.config import Settings
-from molt_proxy.sampling import parse_pins
+from molt_proxy.config import Settings, parse_pins
 from molt_proxy.types import Sampling, Turn
 from tests.helpers import reopened, trajectories, write_old_store
 from tests.inprocess import chat_body, mock_vllm, post, qwen3_tokenizer_dir, serve_app

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from integrations.session import MoltSession, create_session
-from molt_proxy.side import DEFAULT_SIDE_REQUESTS
+from molt_proxy.config import DEFAULT_SIDE_REQUESTS
 from tests.helpers import trajectories
 
 TITLE = "Generate a concise, sentence-case title (3-7 words) for this conversation."

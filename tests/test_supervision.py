@@ -52,25 +52,42 @@ def zombie_or_alive(pid: int) -> bool:
     return True
 
 
+def exited(pid: int) -> None:
+    """Return once the child `pid` has exited, leaving it unreaped (`WNOWAIT`): reaping it is
+    the supervisor's job, which the test checks."""
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+class Clock:
+    """The supervisor's monotonic seconds, which pass only when the test moves them on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(tmp_path):
     async def scenario() -> None:
-        server = sleeper(tmp_path)
-        supervisor = Supervisor(server, max_restarts=2, backoff_s=0.5, window_s=600)
+        server, clock = sleeper(tmp_path), Clock()
+        supervisor = Supervisor(server, max_restarts=2, backoff_s=0.5, window_s=600, clock=clock)
         await supervisor.observe(True)
         assert supervisor.state is ProcessState.RUNNING
 
         first = server.process.pid
         os.kill(first, signal.SIGKILL)  # it dies
-        await asyncio.sleep(0.1)
+        exited(first)
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BACKING_OFF
         assert not zombie_or_alive(first), "the dead server must be reaped, not left <defunct>"
         assert supervisor.describe() == {
             "state": "backing_off", "pid": None, "restarts": 0, "last_exit_code": -signal.SIGKILL,
         }  # fmt: skip
+        clock.now += 0.4
         await supervisor.observe(False)  # the back-off (0.5 s) has not passed
         assert supervisor.state is ProcessState.BACKING_OFF
-        await asyncio.sleep(0.6)
+        clock.now += 0.1
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BOOTING and supervisor.restarts == 1
         second = server.process.pid
@@ -83,21 +100,22 @@ def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(
         os.kill(second, signal.SIGSTOP)  # it hangs: alive, but its probes fail
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BACKING_OFF and not zombie_or_alive(second)
-        await asyncio.sleep(0.6)
+        clock.now += 0.9
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BACKING_OFF, "the second back-off is doubled (1 s)"
-        await asyncio.sleep(0.5)
+        clock.now += 0.1
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BOOTING and supervisor.restarts == 2
 
         third = server.process.pid
         os.kill(third, signal.SIGKILL)  # a third death within the window: it stays down
-        await asyncio.sleep(0.1)
-        await supervisor.observe(False)
-        await asyncio.sleep(0.5)
+        exited(third)
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.GAVE_UP and supervisor.restarts == 2
         assert not zombie_or_alive(third)
+        clock.now += 3600  # long past the window: still down, until the proxy restarts
+        await supervisor.observe(False)
+        assert supervisor.state is ProcessState.GAVE_UP and supervisor.restarts == 2
         server.stop()
 
     asyncio.run(scenario())
@@ -105,12 +123,15 @@ def test_a_dead_or_hung_server_is_reaped_relaunched_with_back_off_then_given_up(
 
 def test_a_server_that_never_becomes_healthy_is_killed_after_the_boot_timeout(tmp_path):
     async def scenario() -> None:
-        server = sleeper(tmp_path)
-        supervisor = Supervisor(server, backoff_s=0.0, boot_timeout_s=0.2)
+        server, clock = sleeper(tmp_path), Clock()
+        supervisor = Supervisor(server, backoff_s=0.0, boot_timeout_s=300, clock=clock)
         pid = server.process.pid
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BOOTING
-        await asyncio.sleep(0.3)
+        clock.now += 300
+        await supervisor.observe(False)  # not yet past the timeout
+        assert supervisor.state is ProcessState.BOOTING and zombie_or_alive(pid)
+        clock.now += 0.1
         await supervisor.observe(False)
         assert supervisor.state is ProcessState.BACKING_OFF and not zombie_or_alive(pid)
         await supervisor.observe(False)

@@ -273,6 +273,7 @@ def test_json_log_lines_parse_name_each_request_and_hold_no_content_or_key(proxy
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     capsys.readouterr()
+    root.handlers.clear()  # out of `configure`'s reach: basicConfig(force=True) closes what it removes
     logs.configure("json")
     try:
         created = post(proxy, "/v1/sessions", json={}, headers=ADMIN).json()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from molt_proxy import transfer
 from molt_proxy.config import Settings
 from molt_proxy.transfer import TransferClient
 from molt_proxy.upstream import Upstream
@@ -80,7 +81,21 @@ def wait_until(check, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_each_phase_reaches_every_replica_in_order_with_its_own_rank(tmp_path: Path):
+class Clock:
+    """`molt_proxy.transfer`'s `time`: monotonic seconds that the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_each_phase_reaches_every_replica_in_order_with_its_own_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    clock = Clock()
+    monkeypatch.setattr(transfer, "time", clock)
     model = qwen3_tokenizer_dir()
     with mock_vllm(model) as first, mock_vllm(model) as second:
         settings = Settings(model=str(model), upstreams=[first, second], db_path=tmp_path / "p.db")
@@ -99,16 +114,16 @@ def test_each_phase_reaches_every_replica_in_order_with_its_own_rank(tmp_path: P
                 client.update_weights(NCCL_UPDATE)
             assert early.value.response.json()["error"]["message"] == "'update' must follow start, not 'none'"
 
-            client.init_weight_transfer_engine(NCCL_INIT)
+            client.init_weight_transfer_engine(NCCL_INIT)  # the group forms at 100 s
             client.weights = (str(write_checkpoint(tmp_path / "v1")), 1)
-            time.sleep(0.2)  # the refresh is timed from `start`, not from the group's forming
-            began = time.monotonic()
+            clock.now = 160.0
             client.start_weight_update()
+            clock.now = 162.5
             client.update_weights(NCCL_UPDATE)
             assert refresh_seconds(url) == (0, 0.0)  # not before `finish`
+            clock.now = 163.25
             client.finish_weight_update("1")
-            count, total = refresh_seconds(url)
-            assert count == 1 and 0 < total <= time.monotonic() - began
+            assert refresh_seconds(url) == (1, 3.25)  # timed from `start`, not from the group's forming
             for upstream, rank in ((first, 1), (second, 2)):
                 assert calls(upstream) == [
                     ["/init_weight_transfer_engine", {"init_info": {**NCCL_INIT, "rank_offset": rank}}],

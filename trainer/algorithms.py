@@ -13,6 +13,7 @@ from __future__ import annotations
 from molt_proxy.types import Trajectory
 from trainer.advantage import Estimator, compute_advantages, turn_advantages, turn_returns
 from trainer.advantage import is_flat as rewards_flat
+from trainer.buffer import final_reward
 from trainer.loss import clipped_surrogate
 from trainer.plugins import register
 
@@ -24,7 +25,7 @@ def by_session(group: list[Trajectory], estimator: Estimator, baseline: float = 
     appearance: a session's segments are one attempt), shared by each session's segments."""
     rewards: dict[str, float] = {}
     for t in group:
-        rewards.setdefault(t.session_id, t.reward)
+        rewards.setdefault(t.session_id, final_reward(t))
     values = compute_advantages(list(rewards.values()), estimator, baseline=baseline)
     by_id = dict(zip(rewards, values, strict=True))
     return [by_id[t.session_id] for t in group]
@@ -75,7 +76,7 @@ def turn_credit(
     finals: dict[str, float] = {}
     for t in group:
         turns.setdefault(t.session_id, []).extend(turn.reward or 0.0 for turn in t.turns)
-        finals[t.session_id] = t.reward
+        finals[t.session_id] = final_reward(t)
     returns = [turn_returns(turns[s], finals[s], discount) for s in turns]
     per_session = dict(zip(turns, turn_advantages(returns, estimator, baseline=baseline), strict=True))
     out, taken = [], dict.fromkeys(turns, 0)

@@ -17,6 +17,13 @@ from dataclasses import dataclass, field
 from molt_proxy.types import Trajectory
 
 
+def final_reward(trajectory: Trajectory) -> float:
+    """The session's reward of a trajectory in a group: groups hold rewarded sessions only."""
+    if trajectory.reward is None:
+        raise ValueError(f"trajectory {trajectory.trajectory_id} is unrewarded: it belongs in no group")
+    return trajectory.reward
+
+
 @dataclass(slots=True)
 class Group:
     group_id: str

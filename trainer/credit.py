@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from trainer import plugins
 from trainer.advantage import Estimator, bounded
 from trainer.algorithms import drop_flat
 from trainer.batch import Batch
-from trainer.buffer import Group
+from trainer.buffer import Group, final_reward
 from trainer.config import LossConfig
 from trainer.loss import kl_estimate
 from trainer.plugins import Plugin, PluginError
@@ -68,12 +68,14 @@ def shape(
     out: list[list[Trajectory]] = []
     rows = iter(zip(trajectories, penalties, strict=True))
     for group in groups:
-        copies, session_rewards = [], {}
+        copies: list[Trajectory] = []
+        session_rewards: dict[str, float] = {}
         for t, penalty in (next(rows) for _ in group.trajectories):
-            reward, turn_rewards = t.reward, [turn.reward for turn in t.turns]
+            final = final_reward(t)
+            reward, turn_rewards = final, [turn.reward for turn in t.turns]
             if shaping is not None:
                 reward, turn_rewards = _shaped(shaping, t, step, group.group_id)
-            total = bounded(session_rewards.get(t.session_id, t.reward) + (reward - t.reward))
+            total = bounded(session_rewards.get(t.session_id, final) + (reward - final))
             session_rewards[t.session_id] = total if by_turn else bounded(total - sum(penalty))
             if by_turn and any(penalty):
                 turn_rewards = [bounded((r or 0.0) - p) for r, p in zip(turn_rewards, penalty, strict=True)]
@@ -91,7 +93,7 @@ def _shaped(shaping: Plugin, t: Trajectory, step: int, group: str) -> tuple[floa
     if isinstance(value, int | float) and math.isfinite(value):
         return float(value), [turn.reward for turn in t.turns]
     if isinstance(value, list | tuple) and len(value) == len(t.turns) and _finite(value):
-        return t.reward, [float(v) for v in value]
+        return final_reward(t), [float(v) for v in value]
     raise PluginError(
         f"{shaping} returned {value!r} for trajectory {t.trajectory_id} (step {step}, group {group}): "
         f"a finite reward, or one per turn ({len(t.turns)})"
@@ -160,7 +162,7 @@ def advantage_tensor(
     tokens, a RuntimeError). The loss and its gradient scale with it all the same: the proxy
     bounds rewards (`--reward-range`, +-1e6 by default) long before that."""
     if all(isinstance(v, float) for v in values):
-        return torch.tensor([_float32(v) for v in values])
+        return torch.tensor([_float32(v) for v in cast(list[float], values)])
     out = torch.zeros(len(trajectories), length)
     for row, (t, value) in enumerate(zip(trajectories, values, strict=True)):
         if isinstance(value, float):
@@ -180,7 +182,8 @@ def group_advantages(
 ) -> list[float]:
     """One advantage per trajectory (in the groups' order) by the built-in estimator, over
     the groups' sessions less the penalties ([trajectories][turns]; None: none)."""
-    return advantages(builtin_advantage(estimator, baseline, None), shape(groups, None, penalties))
+    values = advantages(builtin_advantage(estimator, baseline, None), shape(groups, None, penalties))
+    return cast(list[float], values)  # no turn discount: one number per trajectory
 
 
 def step_advantages(

@@ -153,7 +153,7 @@ class Trainer:
                 taken = stream.get(timeout_s=0.2)
                 if taken is not None:
                     self._take(*taken, buffer)
-                elif config.trajectories is not None and stream.exhausted:
+                elif isinstance(stream, ExportSource) and stream.exhausted:  # a file: `--trajectories`
                     ready += self._admit(buffer.pop_all())
                     if len(ready) < config.groups_per_step:
                         break  # the file is done; what is left waits in the checkpoint
@@ -183,7 +183,9 @@ class Trainer:
         self.evaluating = True
         return True
 
-    def _wind_down(self, stream: TrajectoryStream, buffer: GroupBuffer, ready: list[Group]) -> None:
+    def _wind_down(
+        self, stream: TrajectoryStream | ExportSource, buffer: GroupBuffer, ready: list[Group]
+    ) -> None:
         """After the last step, in a run with evaluation episodes: those of the final weights
         (`evaluation.py`), until none came for `evaluation.WAIT_S` (at most `group_timeout_s` in
         all: an evaluator that never stops must not keep the run alive), added to the last

@@ -22,7 +22,7 @@ class MetricsLog:
     def __init__(self, path: Path, tensorboard: Path | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.board = None
+        self.board: Any = None  # a SummaryWriter, for runs that ask (checked before each use)
         if tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter  # only for runs that ask
 

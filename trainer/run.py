@@ -12,8 +12,9 @@ from typing import Any
 
 import ray
 
+from molt_proxy.flags import add_flags, from_flags
 from molt_proxy.ray_replicas import join_cluster
-from trainer.config import TrainerConfig, add_arguments, config_from_args
+from trainer.config import TrainerConfig
 from trainer.loop import Trainer, resolve_plugins
 from trainer.metrics import progress_line, read, summary_line
 from trainer.plugins import PluginError
@@ -59,31 +60,29 @@ def train_offline(config: TrainerConfig, *, show_progress: bool = True) -> dict[
     return result
 
 
+def parser() -> argparse.ArgumentParser:
+    """`python -m trainer`'s command line: a flag per `TrainerConfig` field (`molt_proxy/flags.py`)."""
+    command = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
+    add_flags(command, TrainerConfig)
+    return command
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train from a molt-proxy stream.")
-    parser.add_argument("--model", required=True, help="initial weights: the model vLLM serves")
-    parser.add_argument("--admin-key")
-    parser.add_argument(
-        "--trajectories",
-        metavar="FILE",
-        help="train offline from a `molt-proxy export` (JSONL or Parquet): the same steps, no proxy, "
-        "no vLLM, no refresh, deterministic under --seed",
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    command = parser()
+    args = command.parse_args(argv)
     if not args.proxy_url and not args.trajectories:
-        parser.error("give at least one --proxy-url, or --trajectories FILE")
+        command.error("give at least one --proxy-url, or --trajectories FILE")
     if args.proxy_url and args.trajectories:
-        parser.error("--trajectories trains offline: it follows no --proxy-url")
+        command.error("--trajectories trains offline: it follows no --proxy-url")
     started = time.monotonic()
-    first, args.proxy_url = (args.proxy_url or [""])[0], (args.proxy_url or [])[1:]
+    first, *more = args.proxy_url or [""]
     try:
-        config = config_from_args(args, first, args.model)
+        config = from_flags(TrainerConfig, args, proxy_url=first, more_proxy_urls=more)
         resolve_plugins(config)  # a wrong name or signature: an error now, not in the actor
     except (ValueError, PluginError) as exc:
-        parser.error(str(exc))
+        command.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     (train_offline if config.trajectories is not None else train)(config)
     took = time.monotonic() - started
-    print(f"done in {took:.0f} s: {summary_line(config.out_dir)}; out: {args.train_out}")
+    print(f"done in {took:.0f} s: {summary_line(config.out_dir)}; out: {config.out_dir}")
     return 0

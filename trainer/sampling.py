@@ -187,7 +187,7 @@ def processed_logprobs(
 
 def processed_logprobs_and_entropy(
     logits: Tensor, targets: Tensor, sampling: TokenSampling, positions: Tensor, *, entropy_grad: bool
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """`processed_logprobs`, [B,T] the entropy of the processed distribution (the one the
     token was drawn from) at `positions` ([B,T] bool, the sampled tokens), 0 elsewhere, and
     `processed_logprobs(extend_support=True)` (for the KL), all from the same log_softmax.

@@ -119,7 +119,8 @@ class DataParallelPolicy:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
-        worker = TrainWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0)
+        # `@ray.remote` made the class an actor class; mypy does not apply class decorators
+        worker = TrainWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0)  # type: ignore[attr-defined]
         self.workers = [
             worker.remote(rank, num_workers, str(model_dir), policy_kwargs) for rank in range(num_workers)
         ]

@@ -153,7 +153,12 @@ class Blocks:
             function = call.function
             if self.kind != "tool_use" or self.call != call.index:
                 name = (function.name if function is not None else None) or ""
-                block = {"type": "tool_use", "id": tool_use_id(call.id or ""), "name": name, "input": {}}
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": tool_use_id(call.id or ""),
+                    "name": name,
+                    "input": {},
+                }
                 self._open(block, call.index)
             if function is not None and function.arguments:
                 self._delta({"type": "input_json_delta", "partial_json": function.arguments})
@@ -178,7 +183,7 @@ class Blocks:
 
 
 def _start(completion_id: str, model: str, input_tokens: int, session_id: str) -> str:
-    message = {
+    message: dict[str, Any] = {
         "id": message_id(completion_id),
         "type": "message",
         "role": "assistant",

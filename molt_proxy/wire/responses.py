@@ -240,7 +240,7 @@ def _tools(raw: Any) -> Tools:
         param = f"tools.{i}"
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
             raise BadRequest(f"{param} must be an object with a 'type'", param=param)
-        inner = [(tool, None)]
+        inner: list[tuple[dict[str, Any], str | None]] = [(tool, None)]
         if tool["type"] == "namespace":
             members = tool.get("tools")
             if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):

@@ -267,16 +267,32 @@ def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
     assert state.trained == [["b:0", "a:0", "a:1"]]
 
 
-def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(model_dir: Path, tmp_path: Path) -> None:
+def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After the last step the trainer waits for evaluations while they keep coming, but no
-    longer than `group_timeout_s` in all; what it took is in the checkpoint."""
+    longer than `group_timeout_s` in all; what it took is in the checkpoint. The loop's clock
+    moves 1/8 s per evaluation taken, so it stops after exactly 8, well inside the quiet
+    window (`evaluation.WAIT_S`) that each of them renews."""
+
+    class Clock:
+        """`trainer.loop`'s `time`: seconds that pass only as evaluations arrive."""
+
+        def __init__(self) -> None:
+            self.now = 0.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", clock)
 
     class Endless:
         def __init__(self) -> None:
             self.seq = 0
 
         def get(self, timeout_s: float) -> tuple[int, Trajectory]:
-            time.sleep(0.05)
+            clock.now += 0.125
             self.seq += 1
             return 0, episodes(self.seq, f"eval/{self.seq}", (1.0, 1.0), version=0)[0]
 
@@ -285,13 +301,13 @@ def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(model_dir: Pa
     )
     trainer = loop.Trainer(config)
     trainer.evaluating = True
-    stream, started = Endless(), time.monotonic()
+    stream = Endless()
 
     trainer._wind_down(stream, GroupBuffer(2, 1.0), [])
 
-    assert 1.0 <= time.monotonic() - started < evaluation.WAIT_S
+    assert stream.seq == 8
     state, _ = checkpoint.load(tmp_path / "checkpoint")
-    assert state.cursors == [stream.seq] and len(state.consumed) == stream.seq and state.evaluations == []
+    assert state.cursors == [8] and len(state.consumed) == 8 and state.evaluations == []
 
 
 def float32(value: float) -> float:
