@@ -1,9 +1,11 @@
 """The request side of a turn, in no wire format: what a wire module decodes a request into.
 
-A wire module (`wire/openai.py`, and later Anthropic Messages and the Responses API) validates
-its format at the edge and builds one `Conversation`; the turn (`completions.py`) reads only
-this. What stays with the wire format (streaming, usage chunks, reply shapes) stays in the
-wire module's own decoded call.
+A wire module (`wire/openai.py`, `wire/anthropic.py`, `wire/responses.py`) validates its format
+at the edge and builds one `Conversation`; the turn (`completions.py`) reads only this. What
+stays with the wire format (streaming, usage chunks, reply shapes) stays in the wire module's
+own decoded call. What every format builds alike is here: vLLM's request, which vLLM's parsers
+read (`chat_request`), checked (`check_sampling`) and read for the sampling fields
+(`sampling_fields`), and the tool-call ids a history echoes (`echoed_call_ids`).
 
 It lives here, not in `types.py`, because it names vLLM's request type for the parsers:
 `types.py` is the record contract the trainer imports, and it imports nothing from vLLM.
@@ -11,11 +13,16 @@ It lives here, not in `types.py`, because it names vLLM's request type for the p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+import pydantic
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.exceptions import VLLMValidationError
+
+from molt_proxy.errors import BadRequest
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,3 +67,89 @@ def echoed_call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:
             if isinstance(tool_call, dict) and isinstance(tool_call.get("id"), str):
                 ids.add(tool_call["id"])
     return frozenset(ids)
+
+
+def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -> ChatCompletionRequest:
+    """vLLM's own model. Its cross-field checks (`tool_choice` without `tools`, `top_logprobs`
+    without `logprobs`, ...) raise `VLLMValidationError`, which pydantic does not wrap, and a
+    few raise ValueError or TypeError: all are the request's fault. The message names the
+    field, never its value (a value may be a whole prompt); `names` maps a chat field to what
+    another wire format calls it (Responses' `max_output_tokens`)."""
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        where = [str(part) for part in error["loc"]]
+        param = (names or {}).get(where[0] if where else "") or ".".join(where) or None
+        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
+    except VLLMValidationError as exc:
+        message = str(exc.args[0]) if exc.args else "invalid request"
+        raise BadRequest(message[:300], param=exc.parameter) from None
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"invalid request: {type(exc).__name__}") from None
+
+
+def check_sampling(request: ChatCompletionRequest) -> None:
+    """Sampling values in the ranges vLLM's `SamplingParams._verify_args` accepts, checked at
+    the edge so a bad one is a 400 with `param` set here rather than an upstream error (or a
+    silent default) later. `seed` is bounded to int64 by `ChatCompletionRequest` itself."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, name)
+        if value is not None and value < 1:
+            raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
+    _in_range(request.temperature, "temperature", 0.0, 2.0)
+    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
+        raise BadRequest(f"'top_p' must be in (0, 1], got {request.top_p}", param="top_p")
+    if request.top_k is not None and request.top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 or 0 (off) or at least 1, got {request.top_k}", param="top_k")
+    _in_range(request.min_p, "min_p", 0.0, 1.0)
+    _in_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _in_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    penalty = request.repetition_penalty
+    if penalty is not None and not (math.isfinite(penalty) and penalty > 0.0):
+        raise BadRequest(f"'repetition_penalty' must be above 0, got {penalty}", param="repetition_penalty")
+    max_tokens = requested_max_tokens(request)
+    if request.min_tokens < 0 or (max_tokens is not None and request.min_tokens > max_tokens):
+        raise BadRequest(
+            f"'min_tokens' must be in [0, max_tokens], got {request.min_tokens}", param="min_tokens"
+        )
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if any(not s for s in stop):
+        raise BadRequest("'stop' cannot contain an empty string", param="stop")
+
+
+def _in_range(value: float | None, name: str, low: float, high: float) -> None:
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise BadRequest(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
+
+
+def sampling_fields(request: ChatCompletionRequest) -> dict[str, Any]:
+    """Every sampling field but `max_tokens` (the turn's), explicitly (DESIGN §4): an omitted
+    field would fall back to the checkpoint's generation config (e.g. `top_k=20`), not to the
+    OpenAI default. The proxy's pins and vLLM's normalisation are applied in the turn
+    (`molt_proxy.sampling.effective_sampling`)."""
+    fields: dict[str, Any] = {
+        "n": 1,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": request.top_k or 0,
+        "min_p": request.min_p or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": request.repetition_penalty or 1.0,
+        "seed": request.seed,
+        "stop": request.stop or [],
+        "stop_token_ids": request.stop_token_ids or [],
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "logprobs": request.top_logprobs or 0,
+        "logit_bias": request.logit_bias,
+        # ids are the product; text is only needed to match stop strings.
+        "detokenize": bool(request.stop),
+    }
+    return fields
+
+
+def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
+    return request.max_completion_tokens or request.max_tokens

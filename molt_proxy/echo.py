@@ -34,8 +34,7 @@ from typing import Any
 from molt_proxy.errors import BadRequest
 from molt_proxy.parsing import arguments_object, sampled_json_text
 from molt_proxy.rendering import Renders
-from molt_proxy.stitching import echo_replacing
-from molt_proxy.types import ParsedReply
+from molt_proxy.types import EchoView, ParsedReply
 
 Find = Callable[[str], ParsedReply | None]
 """A lookup key (`call_key`, `text_key`) → what the proxy returned under it, or None."""
@@ -198,11 +197,11 @@ class Rendered:
 
 def echo_view(
     renders: Renders, rendered: Rendered, reply: ParsedReply, sampled: bytes, ends_turn: bool
-) -> bytes | None:
+) -> EchoView | None:
     """The bytes the template renders for `reply` as returned, where they differ from the
     `sampled` bytes (None where they do not, or where the template does not show the reply);
     with the end of the generation prompt that the history leaves out, where it leaves one
-    out (`stitching.echo_replacing`).
+    out (`EchoView.dropped`).
 
     The reply is rendered after the request and before what agents send next (its tool
     results, or a user message), as the next request renders it (`Renders.after`: a window
@@ -238,8 +237,8 @@ def echo_view(
         return None
     encoded = view.encode()
     if dropped:
-        return echo_replacing(dropped.encode(), encoded)
-    return None if encoded == sampled else encoded
+        return EchoView(encoded, dropped.encode())
+    return None if encoded == sampled else EchoView(encoded)
 
 
 def _history(renders: Renders, rendered: Rendered, more: list[dict[str, Any]]) -> tuple[str, str] | None:

@@ -100,6 +100,8 @@ class Proxy:
             verify_prompt_ids=self.settings.verify_prompt_ids,
             sampling_pins=self.settings.sampling,
             served_model_name=next(iter(self.settings.served_model_name), None),
+            side_rules=self.settings.side_requests,
+            close=self.close_session,
         )
 
     async def _loadable_weights(self) -> tuple[str, int] | None:

@@ -1,9 +1,16 @@
-"""Whether a chat template may be rendered by windows (`rendering.py`): probed, per tools and
-template kwargs, on a battery of small conversations.
+"""Windows over an earlier render (`rendering.py`): what rendering a request's new messages by
+a window adds to the earlier render, the checks every window must pass, and whether a chat
+template may be rendered by windows at all, probed per tools and template kwargs on a battery
+of small conversations.
 
-Each script is a conversation in letters (below); at each seam, where a request ends and the
-next one's new messages begin (an assistant reply, then the tool results or user message after
-it), the next request is rendered whole and by a window over the earlier render, with and
+A window over `messages` (extending an earlier request `messages[:m]`) renders the head (up to
+the first user message), a context of a few messages before `m` (from one that follows an
+assistant message) and the new messages, and keeps what the new messages add; `rendering.py`
+has the reasoning, and `window` the checks.
+
+The probe: each script is a conversation in letters (below); at each seam, where a request ends
+and the next one's new messages begin (an assistant reply, then the tool results or user message
+after it), the next request is rendered whole and by a window over the earlier render, with and
 without a generation prompt (the request, and the echo view's history), and a retry of the
 earlier request (nothing new) as well. A kind of request gets windows only if every case of
 its kind that a window took agreed byte for byte, and at least one did.
@@ -21,15 +28,152 @@ user message that drops their `<think>`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from molt_proxy.errors import BadRequest
 from molt_proxy.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from molt_proxy.rendering import Messages, Renders
+Messages = list[dict[str, Any]]
+
+CONTEXT = 2
+"""At least this many messages before the new ones go into a window: a message may render
+after its neighbour's role (Qwen3 opens a group of tool results only after a non-tool)."""
+_REACH = 8
+"""How much further back a window's context may start (to start after an assistant message),
+and how long an earlier window's context is reused before a new one is anchored."""
+
+
+class Render(Protocol):
+    """`Tokenizer.render`: the chat template's render of a conversation."""
+
+    def __call__(
+        self,
+        messages: Messages,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        /,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Window:
+    """A window over some messages, for the next window over them to start from: the head
+    (`messages[:head]`) rendered alone, and with the messages from `start` on and a generation
+    prompt (`text`), as the render of those messages ends."""
+
+    head: int
+    alone: str
+    start: int
+    text: str
+
+
+def window(
+    render: Render,
+    text: str,
+    m: int,
+    messages: Messages,
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+    leave_out: int,
+    earlier: Window | None = None,
+) -> tuple[str, Window] | None:
+    """What rendering `messages` adds to `text`, the render of `messages[:m]` with a
+    generation prompt, by a window, and the window; None where no window applies or one of its
+    checks fails: the head must render alone as the start of both `text` and the window's
+    render, the window's rest (context and generation prompt) must be exactly how `text` ends
+    (a date that changed, a template that counts messages, fail here), and the window without
+    the new messages must be a prefix of the window with them (an appended message that
+    rewrites the context fails here). A window leaves at least `leave_out` messages out.
+    `earlier`: a window over `messages[:m]`, whose renders this one reuses while its context
+    is short. Callers check the probe first (`Windows.allow`)."""
+    head = _head_end(messages)
+    if head is None or messages[-1].get("role") == "assistant":
+        return None
+    start: int | None
+    try:
+        if earlier is not None and earlier.head == head and m - earlier.start <= CONTEXT + _REACH:
+            alone, start, old = earlier.alone, earlier.start, earlier.text
+        else:
+            start = _context(messages, m, head, leave_out)
+            if start is None:
+                return None
+            alone = (
+                earlier.alone
+                if earlier is not None and earlier.head == head
+                else render(messages[:head], tools, kwargs, add_generation_prompt=False)
+            )
+            old = render(messages[:head] + messages[start:m], tools, kwargs)
+        new = render(
+            messages[:head] + messages[start:], tools, kwargs, add_generation_prompt=add_generation_prompt
+        )
+    except BadRequest:  # the whole render says whether, and how, the template refuses
+        return None
+    checked = (
+        old.startswith(alone)
+        and text.startswith(alone)
+        and len(text) >= len(old)
+        and text.endswith(old[len(alone) :])
+        and new.startswith(old)
+    )
+    return (new[len(old) :], Window(head, alone, start, new)) if checked else None
+
+
+def _head_end(messages: Messages) -> int | None:
+    """One past the first user message: templates write the system prompt, the tools and
+    (Llama-3.2's, with tools) the first user message into a head of their own."""
+    return next((i + 1 for i, message in enumerate(messages) if message.get("role") == "user"), None)
+
+
+def _context(messages: Messages, m: int, head: int, leave_out: int) -> int | None:
+    """Where a window's context starts: at least `CONTEXT` messages before `m`, at a message that
+    follows an assistant message (where templates start a group of messages), after the head
+    with at least `leave_out` messages left out; None: no such message in reach."""
+    latest = m - CONTEXT
+    for start in range(latest, max(head + leave_out - 1, latest - _REACH), -1):
+        if messages[start - 1].get("role") == "assistant" and messages[start].get("role") != "assistant":
+            return start
+    return None
+
+
+class Featured:
+    """Which messages carry reasoning or one of the tokenizer's special strings: what templates
+    such as Qwen3's render differently by where the message stands, so a window over them is
+    a kind of request of its own (`Windows`)."""
+
+    def __init__(self, added_tokens: frozenset[str]):
+        specials = sorted(added_tokens, key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def message(self, message: dict[str, Any]) -> bool:
+        if message.get("reasoning_content") is not None or message.get("reasoning") is not None:
+            return True
+        special = self._special
+        return special is not None and any(special.search(s) for s in _strings(message))
+
+    def any(self, messages: Messages) -> bool:
+        return any(map(self.message, messages))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a message, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+# -- the probe -------------------------------------------------------------------------------
 
 _SCRIPTS = (
     "SUAUAUAUAUAU",
@@ -68,24 +212,23 @@ class Windows:
 
 def probe(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Windows:
     """Run the battery; a kind is allowed windows where all its cases agreed (see the module)."""
-    from molt_proxy.rendering import Renders  # which renders through this module's probe
-
-    renders = Renders(_Memo(tokenizer), leave_out=1)  # type: ignore[arg-type]  # a tokenizer that remembers
+    render = _Memo(tokenizer).render  # the cases of a script share most of their renders
+    featured = Featured(tokenizer.added_tokens)
     make = _maker(tokenizer.added_tokens)
     outcomes: dict[str, list[bool]] = {"plain": [], "new": [], "old": []}
     for script in _SCRIPTS:
         messages = [make(letter, i) for i, letter in enumerate(script)]
         for m, e in _seams(script)[-_SEAMS_PER_SCRIPT:]:
-            old = any(map(renders.is_featured, messages[:m]))
-            kind = "old" if old else "new" if any(map(renders.is_featured, messages[m:e])) else "plain"
-            outcomes[kind] += _case(renders, messages, m, e, tools, kwargs)
+            old = featured.any(messages[:m])
+            kind = "old" if old else "new" if featured.any(messages[m:e]) else "plain"
+            outcomes[kind] += _case(render, messages, m, e, tools, kwargs)
     plain = bool(outcomes["plain"]) and all(outcomes["plain"])
     new = plain and bool(outcomes["new"]) and all(outcomes["new"])
     return Windows(plain, new, new and bool(outcomes["old"]) and all(outcomes["old"]))
 
 
 def _case(
-    renders: Renders,
+    render: Render,
     messages: Messages,
     m: int,
     e: int,
@@ -94,7 +237,6 @@ def _case(
 ) -> list[bool]:
     """Whether each window that applies at this seam agrees with the whole render: the next
     request, its history without a generation prompt, and a retry of the earlier request."""
-    render = renders.tokenizer.render
     try:
         earlier = render(messages[:m], tools, kwargs)
         wholes = [
@@ -106,7 +248,7 @@ def _case(
         return []
     agreed = []
     for request, generation_prompt, whole in wholes:
-        found = renders.window(earlier, m, request, tools, kwargs, generation_prompt)
+        found = window(render, earlier, m, request, tools, kwargs, generation_prompt, leave_out=1)
         if found is not None and (request is not wholes[-1][0] or earlier + found[0] != whole):
             agreed.append(earlier + found[0] == whole)  # a retry that agrees is no evidence
     return agreed
@@ -117,7 +259,6 @@ class _Memo:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.added_tokens = tokenizer.added_tokens
         self._done: dict[tuple[str, bool], str | BadRequest] = {}
 
     def render(

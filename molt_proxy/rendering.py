@@ -17,11 +17,11 @@ Nothing of that is assumed; a window is used only where it is checked:
   Messages with reasoning or the tokenizer's special strings are kinds of their own: Qwen3's
   template drops the `<think>` of earlier turns when a user message follows (where they are
   in the history, not only in the new messages, no window is used for it);
-- per request, the head must render alone as the start of both the earlier render and the
-  window's, the window's rest (context and generation prompt) must be exactly how the earlier
-  render ends (a date that changed, a template that counts messages, fail here), and the
-  window without `N` must be a prefix of the window with it (an appended message that
-  rewrites the context fails here).
+- per request (`render_probe.window`), the head must render alone as the start of both the
+  earlier render and the window's, the window's rest (context and generation prompt) must be
+  exactly how the earlier render ends (a date that changed, a template that counts messages,
+  fail here), and the window without `N` must be a prefix of the window with it (an appended
+  message that rewrites the context fails here).
 Anything else, an error included, renders the whole history, as before.
 
 Renders are cached by content, not by session (a request is rendered before its session is
@@ -31,7 +31,6 @@ known: the render finds it), and each entry gives way to the one that extends it
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -39,18 +38,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from molt_proxy.errors import BadRequest
-from molt_proxy.render_probe import Windows, probe
+from molt_proxy.render_probe import Featured, Messages, Window, Windows, probe, window
 from molt_proxy.tokenizer import Tokenizer
 
-Messages = list[dict[str, Any]]
 Probed = TypeVar("Probed")
 
-CONTEXT = 2
-"""At least this many messages before the new ones go into a window: a message may render
-after its neighbour's role (Qwen3 opens a group of tool results only after a non-tool)."""
-_REACH = 8
-"""How much further back a window's context may start (to start after an assistant message),
-and how long an earlier window's context is reused before a new one is anchored."""
 LEAVE_OUT = 16
 """A window leaves at least this many messages out, or the whole history is rendered: below
 that, one render of it costs less than a window's."""
@@ -61,18 +53,6 @@ _PROBE_REPLY = "molt-probe-reply"
 _CACHE_CHARS = 64 * 2**20
 """The rendered characters the cache keeps (the messages they were rendered from come beside
 them, about as large): the least recently used go first."""
-
-
-@dataclass(slots=True, frozen=True)
-class Window:
-    """A window over some messages, for the next window over them to start from: the head
-    (`messages[:head]`) rendered alone, and with the messages from `start` on and a generation
-    prompt (`text`), as the render of those messages ends."""
-
-    head: int
-    alone: str
-    start: int
-    text: str
 
 
 @dataclass(slots=True)
@@ -111,33 +91,40 @@ class Renders:
         self._dropped: dict[str, str] = {}
         self._lock = threading.Lock()
         """Large requests render in worker threads beside the event loop's."""
-        specials = sorted(tokenizer.added_tokens, key=len, reverse=True)
-        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.featured = Featured(tokenizer.added_tokens)
 
     def render(self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         """`Tokenizer.render(messages, tools, kwargs)`: the earlier render it extends and a
         window where one is checked, else the whole history. The cache keeps `messages` (the
         list itself: `after` finds its render by it), which must not change afterwards."""
         parent = self._parent(messages, tools, kwargs)
-        text, window = None, None
+        text, made = None, None
         if parent is None:
-            windows, featured, nested = (
-                self.windows(tools, kwargs),
-                self._featured(messages),
-                _nested(messages, 0),
-            )
+            nested = _nested(messages, 0)
+            windows, featured = self.windows(tools, kwargs), self.featured.any(messages)
         else:
             m = len(parent.messages)
-            windows, new = parent.windows, self._featured(messages[m:])
-            featured, nested = parent.featured or new, parent.nested + _nested(messages, m)
+            nested = parent.nested + _nested(messages, m)
+            windows, new = parent.windows, self.featured.any(messages[m:])
+            featured = parent.featured or new
             if windows.allow(parent.featured, new):
-                found = self.window(parent.text, m, messages, tools, kwargs, True, parent.window)
+                found = window(
+                    self.tokenizer.render,
+                    parent.text,
+                    m,
+                    messages,
+                    tools,
+                    kwargs,
+                    True,
+                    self.leave_out,
+                    parent.window,
+                )
                 if found is not None:
-                    text, window = parent.text + found[0], found[1]
+                    text, made = parent.text + found[0], found[1]
                     self.windowed += 1
         if text is None:
             text = self.tokenizer.render(messages, tools, kwargs)
-        entry = _Entry(messages, tools, kwargs, text, featured, windows, window, nested)
+        entry = _Entry(messages, tools, kwargs, text, featured, windows, made, nested)
         entry.dropped = None if parent is None else parent.dropped
         self._remember(entry, parent)
         return text
@@ -159,10 +146,20 @@ class Renders:
         if entry is not None and entry.messages is messages:
             windows, featured, earlier = entry.windows, entry.featured, entry.window
         else:
-            windows, featured, earlier = self.windows(tools, kwargs), self._featured(messages), None
+            windows, featured, earlier = self.windows(tools, kwargs), self.featured.any(messages), None
         whole = messages + more
-        if not dropped and windows.allow(featured, self._featured(more)):
-            found = self.window(text, len(messages), whole, tools, kwargs, False, earlier)
+        if not dropped and windows.allow(featured, self.featured.any(more)):
+            found = window(
+                self.tokenizer.render,
+                text,
+                len(messages),
+                whole,
+                tools,
+                kwargs,
+                False,
+                self.leave_out,
+                earlier,
+            )
             if found is not None:
                 self.windowed += 1
                 return found[0]
@@ -208,66 +205,6 @@ class Renders:
                 if len(cache) > _PROBES:
                     del cache[next(iter(cache))]
         return found
-
-    def is_featured(self, message: dict[str, Any]) -> bool:
-        """Whether a message carries reasoning or one of the tokenizer's special strings: what
-        templates such as Qwen3's render differently by where the message stands."""
-        if message.get("reasoning_content") is not None or message.get("reasoning") is not None:
-            return True
-        special = self._special
-        return special is not None and any(special.search(s) for s in _strings(message))
-
-    # -- internals -----------------------------------------------------------------------
-
-    def _featured(self, messages: Messages) -> bool:
-        return any(map(self.is_featured, messages))
-
-    def window(
-        self,
-        text: str,
-        m: int,
-        messages: Messages,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-        add_generation_prompt: bool,
-        earlier: Window | None = None,
-    ) -> tuple[str, Window] | None:
-        """What rendering `messages` adds to `text`, the render of `messages[:m]` with a
-        generation prompt, by a window (see the module), and the window; None where no window
-        applies or one of its checks fails. `earlier`: a window over `messages[:m]`, whose
-        renders this one reuses while its context is short. Callers check the probe first
-        (`Windows.allow`)."""
-        head = _head_end(messages)
-        if head is None or messages[-1].get("role") == "assistant":
-            return None
-        render = self.tokenizer.render
-        start: int | None
-        try:
-            if earlier is not None and earlier.head == head and m - earlier.start <= CONTEXT + _REACH:
-                alone, start, old = earlier.alone, earlier.start, earlier.text
-            else:
-                start = _context(messages, m, head, self.leave_out)
-                if start is None:
-                    return None
-                alone = (
-                    earlier.alone
-                    if earlier is not None and earlier.head == head
-                    else render(messages[:head], tools, kwargs, add_generation_prompt=False)
-                )
-                old = render(messages[:head] + messages[start:m], tools, kwargs)
-            new = render(
-                messages[:head] + messages[start:], tools, kwargs, add_generation_prompt=add_generation_prompt
-            )
-        except BadRequest:  # the whole render says whether, and how, the template refuses
-            return None
-        checked = (
-            old.startswith(alone)
-            and text.startswith(alone)
-            and len(text) >= len(old)
-            and text.endswith(old[len(alone) :])
-            and new.startswith(old)
-        )
-        return (new[len(old) :], Window(head, alone, start, new)) if checked else None
 
     def _parent(
         self, messages: Messages, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
@@ -348,33 +285,3 @@ def _seams(messages: Messages) -> Iterator[int]:
             found += 1
             if found == 2:
                 return
-
-
-def _head_end(messages: Messages) -> int | None:
-    """One past the first user message: templates write the system prompt, the tools and
-    (Llama-3.2's, with tools) the first user message into a head of their own."""
-    return next((i + 1 for i, message in enumerate(messages) if message.get("role") == "user"), None)
-
-
-def _context(messages: Messages, m: int, head: int, leave_out: int) -> int | None:
-    """Where a window's context starts: at least `CONTEXT` messages before `m`, at a message that
-    follows an assistant message (where templates start a group of messages), after the head
-    with at least `leave_out` messages left out; None: no such message in reach."""
-    latest = m - CONTEXT
-    for start in range(latest, max(head + leave_out - 1, latest - _REACH), -1):
-        if messages[start - 1].get("role") == "assistant" and messages[start].get("role") != "assistant":
-            return start
-    return None
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string inside a message, keys included."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield str(key)
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)

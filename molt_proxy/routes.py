@@ -2,16 +2,19 @@
 proxy's parts (`proxy.py`) and encode the answer. Errors are raised as domain errors and
 mapped to HTTP once, in `app.py`.
 
-A new API format is one decoder and encoder under `wire/` and one route here; the turn
-itself (`Completions`, `Turns.open`) is shared.
+A chat route of any API format is decode → `Turn` → encode: `asked` reads the request,
+`Asked.turn` opens its turn (`completions.py`), which answers whole or streamed (`streamed`).
+A new API format is one decoder and encoder under `wire/` and one route here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -20,19 +23,19 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from molt_proxy import auth
-from molt_proxy.completions import OFF_LOOP_BYTES
+from molt_proxy.completions import Keep, Turn, Work
+from molt_proxy.conversation import Conversation
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import check_group_id, check_session_id
 from molt_proxy.proxy import Proxy
 from molt_proxy.session import Attempt, Caller
-from molt_proxy.sessions import request_hash, unknown_session
-from molt_proxy.side import is_side, side_request
-from molt_proxy.types import RecordedReply, SessionStatus
+from molt_proxy.sessions import unknown_session
+from molt_proxy.side import is_side
+from molt_proxy.types import SessionStatus
 from molt_proxy.weights import check_version
 from molt_proxy.wire.anthropic import (
     COUNT_SCHEMA,
     MESSAGES_SCHEMA,
-    MessagesCall,
     decode_messages_request,
     recorded_completion_id,
 )
@@ -94,66 +97,80 @@ async def _relay(first: str, events: AsyncIterator[str]) -> AsyncIterator[str]:
         await asyncio.sleep(0)
 
 
-async def _chat(request: Request, path_session: str | None) -> Response:
+@dataclass(slots=True, frozen=True)
+class Asked:
+    """A chat request as it arrived, in any API format: who its key says it is, its body, and
+    where its work runs (`Work`, decided here once from the body's size)."""
+
+    proxy: Proxy
+    request: Request
+    principal: auth.Principal
+    body: bytes
+    work: Work
+
+    def caller(self, body_session: str | None, path_session: str | None) -> Caller:
+        """The session hints of the request: path, header, body (`Conversation.session_id`),
+        key, group. Every id named is checked (`ids.py`), the ones a nearer hint overrides too:
+        a malformed id is the client's mistake wherever it is. An empty header is no header."""
+        headers, principal = self.request.headers, self.principal
+        key = auth.presented_key(headers)
+        header = check_session_id(headers.get("x-session-id") or None, "X-Session-Id")
+        check_session_id(body_session, "metadata.session_id")
+        session_id = check_session_id(path_session, "session_id") or header
+        if session_id is None and not (principal is auth.OPEN and key and self.proxy.sessions.by_key(key)):
+            session_id = body_session
+        session_id = auth.chat_session(principal, session_id)
+        group_id = check_group_id(headers.get("x-group-id") or None, "X-Group-Id")
+        # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.
+        open_key = key if session_id is None and principal is auth.OPEN else None
+        return Caller(session_id, open_key, group_id, principal)
+
+    def attempt(self) -> Attempt:
+        """Whether the request says it retries one: its `Idempotency-Key`, and the retry count
+        the OpenAI and Anthropic SDKs send on every request (`x-stainless-retry-count`, 0 on the
+        first try, 1 on the first retry). Any API format's route reads them here.
+
+        The count is a hint: one that is not a decimal number is ignored (None: the client does
+        not say). A number is a retry when any of its digits is not 0, read without `int()`,
+        which refuses more than 4,300 digits: an SDK's count never has many, and nothing here
+        needs its value."""
+        headers = self.request.headers
+        count = headers.get("x-stainless-retry-count", "")
+        retry = count.lstrip("0") != "" if count.isascii() and count.isdigit() else None
+        hashed = hashlib.sha256(self.body).hexdigest()
+        return Attempt(hashed, headers.get("idempotency-key") or None, retry)
+
+    def turn(self, caller: Caller, conversation: Conversation, keep: Keep | None = None) -> Turn:
+        """The request's turn (`completions.py`), as `caller`."""
+        return self.proxy.completions.turn(caller, conversation, self.attempt(), self.work, keep)
+
+
+async def asked(request: Request) -> Asked:
+    """A chat route's first steps: the key checked, then the body read."""
     proxy = _proxy(request)
     principal = proxy.principal(request, auth.CHAT)
     body = await request.body()
-    # A large body decodes in a worker thread, as it renders and tokenizes there (completions.py).
-    call = (
-        decode_chat_request(body)
-        if len(body) < OFF_LOOP_BYTES
-        else await asyncio.to_thread(decode_chat_request, body)
-    )
+    return Asked(proxy, request, principal, body, Work.of(body))
+
+
+async def streamed(lines: AsyncGenerator[str]) -> EventStream:
+    """A streamed turn's response. Its first line is awaited here: a turn that fails before vLLM
+    answers (the render, the session, the context) fails with a plain error response."""
+    first = await anext(lines)
+    return EventStream(first, lines)
+
+
+async def _chat(request: Request, path_session: str | None) -> Response:
+    """`POST /v1/chat/completions`: OpenAI's request decoded, the turn, OpenAI's reply."""
+    chat = await asked(request)
+    call = await chat.work.run(decode_chat_request, chat.body)
     conversation = call.conversation
-    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
-    side = side_request(conversation, caller, proxy.settings.side_requests, proxy.close_session)
-    attempt = _attempt(request, body)
+    turn = chat.turn(chat.caller(conversation.session_id, path_session), conversation)
+    token_bytes = chat.proxy.tokenizer.token_bytes
     if not call.stream:
-        answer = await proxy.completions.complete(side.caller, conversation, body, attempt)
-        reply = encode_reply(answer.reply, answer.session_id, proxy.tokenizer.token_bytes)
-        await side.done()
-        return _json(reply)
-    turn = proxy.completions.stream(side.caller, conversation, body, attempt)
-    events = side.after(encode_stream(turn, call.include_usage, proxy.tokenizer.token_bytes))
-    first = await anext(events)  # errors before vLLM answers become plain error responses
-    return EventStream(first, events)
-
-
-def _caller(
-    proxy: Proxy,
-    request: Request,
-    principal: auth.Principal,
-    body_session: str | None,
-    path_session: str | None,
-) -> Caller:
-    """The session hints of a chat request: path, header, body (`Conversation.session_id`),
-    key, group. Every id named is checked (`ids.py`), the ones a nearer hint overrides too: a
-    malformed id is the client's mistake wherever it is. An empty header is no header."""
-    key = auth.presented_key(request.headers)
-    header = check_session_id(request.headers.get("x-session-id") or None, "X-Session-Id")
-    check_session_id(body_session, "metadata.session_id")
-    session_id = check_session_id(path_session, "session_id") or header
-    if session_id is None and not (principal is auth.OPEN and key and proxy.sessions.by_key(key)):
-        session_id = body_session
-    session_id = auth.chat_session(principal, session_id)
-    group_id = check_group_id(request.headers.get("x-group-id") or None, "X-Group-Id")
-    # Only an open proxy looks a session key up at the turn; with keys on, `principal` has.
-    open_key = key if session_id is None and principal is auth.OPEN else None
-    return Caller(session_id, open_key, group_id, principal)
-
-
-def _attempt(request: Request, body: bytes) -> Attempt:
-    """Whether a request says it retries one: its `Idempotency-Key`, and the retry count the
-    OpenAI and Anthropic SDKs send on every request (`x-stainless-retry-count`, 0 on the first
-    try, 1 on the first retry). Any API format's route reads them here.
-
-    The count is a hint: one that is not a decimal number is ignored (None: the client does
-    not say). A number is a retry when any of its digits is not 0, read without `int()`, which
-    refuses more than 4,300 digits: an SDK's count never has many, and nothing here needs its
-    value."""
-    count = request.headers.get("x-stainless-retry-count", "")
-    retry = count.lstrip("0") != "" if count.isascii() and count.isdigit() else None
-    return Attempt(request_hash(body), request.headers.get("idempotency-key") or None, retry)
+        answer = await turn.whole()
+        return _json(encode_reply(answer.reply, answer.session_id, token_bytes))
+    return await streamed(encode_stream(turn.stream(), call.include_usage, token_bytes))
 
 
 @router.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(CHAT_SCHEMA))
@@ -171,64 +188,24 @@ async def session_chat_completions(session_id: str, request: Request) -> Respons
 # -- Anthropic messages ----------------------------------------------------------------------
 
 
-async def _messages_call(body: bytes, count: bool) -> MessagesCall:
-    if len(body) < OFF_LOOP_BYTES:
-        return decode_messages_request(body, count=count)
-    return await asyncio.to_thread(decode_messages_request, body, count=count)
-
-
 async def _messages(request: Request, path_session: str | None) -> Response:
     """`POST /v1/messages`: the same turn as a chat completion, in Anthropic's shapes."""
-    proxy = _proxy(request)
-    principal = proxy.principal(request, auth.CHAT)
-    body = await request.body()
-    call = await _messages_call(body, count=False)
+    chat = await asked(request)
+    call = await chat.work.run(decode_messages_request, chat.body, count=False)
     conversation = call.conversation
-    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
-    side = side_request(conversation, caller, proxy.settings.side_requests, proxy.close_session)
-    attempt = _attempt(request, body)
-
-    def stopped_by(reply: RecordedReply, session_id: str) -> str | None:
-        return _stop_sequence(proxy, call.stop_sequences, reply, session_id)
-
+    turn = chat.turn(chat.caller(conversation.session_id, path_session), conversation)
     if not call.stream:
-        answer = await proxy.completions.complete(side.caller, conversation, body, attempt)
-        stop = stopped_by(answer.reply, answer.session_id)
-        reply = encode_message(answer.reply, answer.session_id, stop, call.max_tokens)
-        await side.done()
-        return _json(reply)
-    turn = proxy.completions.stream(side.caller, conversation, body, attempt)
-    events = side.after(encode_message_stream(turn, stopped_by, call.max_tokens))
-    first = await anext(events)  # errors before vLLM answers become plain error responses
-    return EventStream(first, events)
-
-
-def _stop_sequence(proxy: Proxy, stops: list[str], reply: RecordedReply, session_id: str) -> str | None:
-    """The requested stop string that ended `reply`, read from the ids its turn recorded: the
-    turn stopped without the model's own stop id, on the first stop string in its text."""
-    session = proxy.sessions.find(session_id)
-    if not stops or reply.finish_reason != "stop" or session is None:
-        return None
-    for segment in session.segments:
-        for turn in segment.turns:
-            if turn.completion_id == reply.completion_id:
-                ids = segment.token_ids[turn.completion_start : turn.completion_end]
-                if ids and ids[-1] in proxy.completions.parser.stop_ids:
-                    return None
-                text = proxy.tokenizer.ids_bytes(ids).decode(errors="replace")
-                found = [(text.find(stop), stop) for stop in stops if stop in text]
-                return min(found)[1] if found else None
-    return None
+        answer = await turn.whole()
+        return _json(encode_message(answer.reply, answer.session_id, answer.stop_sequence, call.max_tokens))
+    return await streamed(encode_message_stream(turn.stream(), call.max_tokens))
 
 
 async def _count_tokens(request: Request, path_session: str | None) -> dict[str, Any]:
     """`POST /v1/messages/count_tokens`: the exact number of prompt ids the proxy would send."""
-    proxy = _proxy(request)
-    principal = proxy.principal(request, auth.CHAT)
-    body = await request.body()
-    conversation = (await _messages_call(body, count=True)).conversation
-    caller = _caller(proxy, request, principal, conversation.session_id, path_session)
-    return {"input_tokens": await proxy.completions.count(caller, conversation, body)}
+    chat = await asked(request)
+    conversation = (await chat.work.run(decode_messages_request, chat.body, count=True)).conversation
+    turn = chat.turn(chat.caller(conversation.session_id, path_session), conversation)
+    return {"input_tokens": await turn.count()}
 
 
 @router.post("/v1/messages", response_model=None, openapi_extra=request_body(MESSAGES_SCHEMA))

@@ -1,7 +1,7 @@
 """One session in memory: its segments (chains, all open), the turns in flight on them
-(`Claim`), the replies a retry gets, the hints a request names it by, and a turn open on it.
-State only; the registry that creates, finds and closes sessions is `sessions.py`, and which
-session and chain a request joins is `turns.py`."""
+(`Claim`), the replies a retry gets, and the hints a request names it by. State only; the
+registry that creates, finds and closes sessions is `sessions.py`, which session and chain a
+request joins is `turns.py`, and a turn itself is `completions.py`'s."""
 
 from __future__ import annotations
 
@@ -11,15 +11,11 @@ from array import array
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from molt_proxy.auth import Principal
 from molt_proxy.errors import BadRequest
-from molt_proxy.types import Generation, RecordedReply, Sampling, Segment, SessionStatus, Trajectory
-
-if TYPE_CHECKING:
-    from molt_proxy.sessions import Sessions
-    from molt_proxy.stitching import PromptPlan
+from molt_proxy.types import RecordedReply, Segment, SessionStatus, Trajectory
 
 
 @dataclass(slots=True, frozen=True)
@@ -218,35 +214,3 @@ def default_group(session: Session) -> str:
     if session.owner is not None:
         digest.update(b"\0owner " + session.owner.encode())
     return DEFAULT_GROUP_PREFIX + digest.hexdigest()[:16]
-
-
-@dataclass(slots=True)
-class OpenTurn:
-    """A turn in progress on its session, holding its claim until it ends (`Turns.open`).
-    Format-agnostic: a wire format brings the render and encodes the reply."""
-
-    sessions: Sessions
-    session: Session
-    attempt: Attempt
-    segments: list[Segment]
-    """The session's chains when the turn was admitted: it plans on these (`plan_prompt`); its
-    claim keeps the ones it may continue unchanged until it ends."""
-
-    @property
-    def replay(self) -> RecordedReply | None:
-        """The reply to give again when this request retries one the session answered (its
-        client lost the answer); None: sample a new one (`Session.replay`)."""
-        return self.session.replay(self.attempt)
-
-    async def record(
-        self,
-        plan: PromptPlan,
-        generation: Generation,
-        reply: RecordedReply,
-        sampling: Sampling | None,
-        echo: bytes | None = None,
-    ) -> None:
-        hashed, key = self.attempt.request_hash, self.attempt.idempotency_key
-        await self.sessions.record(
-            self.session, plan, generation, hashed, reply, sampling=sampling, idempotency_key=key, echo=echo
-        )

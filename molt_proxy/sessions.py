@@ -10,7 +10,6 @@ run, is `turns.py`.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 import uuid
 from typing import Any
@@ -23,6 +22,7 @@ from molt_proxy.session import DEFAULT_GROUP_PREFIX, Session
 from molt_proxy.stitching import PromptPlan, TokenText, commit_to, segment_index
 from molt_proxy.store import Store
 from molt_proxy.types import (
+    EchoView,
     Generation,
     RecordedReply,
     Sampling,
@@ -35,10 +35,6 @@ from molt_proxy.types import (
 
 def unknown_session(session_id: str) -> NotFound:
     return NotFound(f"no session {session_id!r}", param="session_id")
-
-
-def request_hash(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()
 
 
 class Sessions:
@@ -252,7 +248,7 @@ class Sessions:
         *,
         sampling: Sampling | None = None,
         idempotency_key: str | None = None,
-        echo: bytes | None = None,
+        echo: EchoView | None = None,
     ) -> None:
         """Persist a turn, then commit it to the session in memory. `sampling`: what vLLM
         sampled it with, recorded on the turn for the trainer. Its retries are known by

@@ -3,11 +3,12 @@
 A session holds several chains (segments), all open: a request continues the one whose bytes
 its render extends furthest, or opens a new one when it extends none (a rewritten history,
 a sub-agent with a system prompt of its own); the others stay as they are and may be
-continued later. Pure: no I/O, no locks. The session layer calls `plan_prompt` before
-generation and `commit_to` only after generation succeeded, so a failed or retried request
-never double-appends. Which chain a turn joins is decided once, by `plan_prompt`, and
-becomes a segment index (`segment_index`) that the live turn and a restart's replay both
-commit to.
+continued later. Pure: no I/O, no locks. A turn matches its render against the chains once,
+when it is admitted (`match`: the chains it continues, which its claim then keeps as they
+are), plans on that match before generation (`plan_match`) and commits (`commit_to`) only
+after generation succeeded, so a failed or retried request never double-appends. Which chain
+a turn joins is decided once, by its plan, and becomes a segment index (`segment_index`) that
+the live turn and a restart's replay both commit to.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from molt_proxy.types import NOT_SAMPLED, Generation, Sampling, Segment, Turn
+from molt_proxy.types import NOT_SAMPLED, EchoView, Generation, Sampling, Segment, Turn
 
 
 class TokenText(Protocol):
@@ -46,26 +47,6 @@ class PromptPlan:
         return self.segment is not None
 
 
-_DROPPED = b"\xff"
-"""Opens an echo view that stands for the end of the turn's prompt too: never a byte of UTF-8,
-so no view of the reply alone (what older stores hold) starts with it."""
-
-
-def echo_replacing(dropped: bytes, view: bytes) -> bytes:
-    """An echo view that stands for the last bytes of the turn's prompt, `dropped` (the end of
-    the generation prompt the template leaves out of the history), and the sampled bytes: kept
-    as one value (the store's `echo`), read by `_echo_parts`."""
-    return _DROPPED + dropped + _DROPPED + view
-
-
-def _echo_parts(echo: bytes | None) -> tuple[bytes, bytes | None]:
-    """The prompt's end an echo view stands for (b"" mostly) and the view (None: no view)."""
-    if echo is None or not echo.startswith(_DROPPED):
-        return b"", echo
-    dropped, view = echo[1:].split(_DROPPED, 1)
-    return dropped, view
-
-
 def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
     """How many bytes of `rendered` the segment stands for, when `rendered` continues it: it
     starts with the segment's exact bytes, or with its echo view (each reply as the proxy
@@ -80,25 +61,45 @@ def continued_length(segment: Segment | None, rendered: bytes) -> int | None:
     return None
 
 
-def continued(segments: Sequence[Segment], rendered: bytes) -> list[tuple[int, Segment]]:
-    """The chains `rendered` continues (`continued_length`), the furthest first, each with the
-    number of bytes it stands for; among equal lengths the newest chain first."""
+@dataclass(slots=True, frozen=True)
+class Match:
+    """A render against a session's chains (`match`): the ones it continues, the furthest
+    first, each with the number of bytes of `rendered` it stands for (`continued_length`);
+    among equal lengths the newest chain first."""
+
+    rendered: bytes
+    chains: list[tuple[int, Segment]]
+    indices: frozenset[int]
+    """The chains a turn on this render appends to one of: what its claim holds."""
+    furthest: int | None
+    """How many bytes the furthest chain stands for; None: the render continues none."""
+
+
+def match(segments: Sequence[Segment], rendered: bytes) -> Match:
     found = [(n, s) for s in segments if (n := continued_length(s, rendered)) is not None]
-    return sorted(found, key=lambda m: (m[0], m[1].index), reverse=True)
+    chains = sorted(found, key=lambda m: (m[0], m[1].index), reverse=True)
+    indices = frozenset(segment.index for _, segment in chains)
+    return Match(rendered, chains, indices, chains[0][0] if chains else None)
 
 
 def plan_prompt(segments: Sequence[Segment], rendered: str, tokenizer: TokenText) -> PromptPlan:
-    """Continue the chain the render extends furthest (`continued`): the prompt is that
-    segment's ids and the rest of the render tokenized; if it extends none, open a new one.
+    """`plan_match` on the chains `segments` that `rendered` continues."""
+    return plan_match(match(segments, rendered.encode()), rendered, tokenizer)
+
+
+def plan_match(matched: Match, rendered: str, tokenizer: TokenText) -> PromptPlan:
+    """Continue the chain the render extends furthest (`matched.rendered` is `rendered`'s
+    bytes): the prompt is that segment's ids and the rest of the render tokenized; if it
+    extends none, open a new one.
 
     Bytes, not str: a segment may end inside a multi-byte character (a length cut), and
     decode would hide that. A suffix that does not start on a character boundary cannot be
     tokenized on its own, so that chain is not continued (a shorter one may be).
     """
-    full = rendered.encode()
-    for matched, segment in continued(segments, full):
+    full = matched.rendered
+    for length, segment in matched.chains:
         try:
-            suffix = full[matched:].decode()
+            suffix = full[length:].decode()
         except UnicodeDecodeError:
             continue
         new_ids = tokenizer.encode(suffix) if suffix else []
@@ -127,7 +128,7 @@ def commit_to(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
-    echo: bytes | None = None,
+    echo: EchoView | None = None,
 ) -> Turn:
     """Append a turn to the segment `index` of `segments`, or to a new one opened after the
     others when there is none yet. Serves a live turn and a replayed stored one alike."""
@@ -145,7 +146,7 @@ def commit_turn(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None = None,
-    echo: bytes | None = None,
+    echo: EchoView | None = None,
 ) -> Turn:
     """Append the planned turn to `segment`: the chain it continues when `plan.continues`,
     else a fresh empty one."""
@@ -160,12 +161,12 @@ def _append(
     completion_id: str,
     tokenizer: TokenText,
     sampling: Sampling | None,
-    echo: bytes | None,
+    echo: EchoView | None,
 ) -> Turn:
     """The request's new prompt ids (mask 0), then the sampled ids (mask 1). `sampling` is
-    what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view where it
-    differs from the sampled bytes (or stands for the end of the prompt too,
-    `echo_replacing`), extends the segment's echo bytes."""
+    what vLLM sampled the ids with, kept on the turn; `echo`, the reply's echo view (None:
+    its sampled bytes), extends the segment's echo bytes in place of the sampled bytes, and
+    of the end of the prompt it stands for too."""
     prompt_start = len(segment.token_ids)
     segment.token_ids.extend(new_ids)
     segment.add_run(len(new_ids), NOT_SAMPLED)
@@ -177,8 +178,10 @@ def _append(
     if echo is not None and segment.echo is None:
         segment.echo = segment.text
     if segment.echo is not None:
-        dropped, view = _echo_parts(echo)
-        segment.echo += new_text.removesuffix(dropped) + (sampled if view is None else view)
+        if echo is None:
+            segment.echo += new_text + sampled
+        else:
+            segment.echo += new_text.removesuffix(echo.dropped) + echo.view
     segment.text += new_text + sampled
     turn = Turn(
         completion_id=completion_id,

@@ -41,7 +41,15 @@ from molt_proxy.store_migrations import (
 )
 from molt_proxy.store_responses import SCHEMA as RESPONSES_SCHEMA
 from molt_proxy.store_writer import GroupCommit, Write
-from molt_proxy.types import Generation, Sampling, SessionStatus, StoredSession, StoredTurn, Trajectory
+from molt_proxy.types import (
+    EchoView,
+    Generation,
+    Sampling,
+    SessionStatus,
+    StoredSession,
+    StoredTurn,
+    Trajectory,
+)
 
 T = TypeVar("T")
 
@@ -107,6 +115,28 @@ def _unpack(typecode: str, blob: bytes) -> list:
     return values.tolist()
 
 
+_DROPPED = b"\xff"
+"""Opens a stored echo view that stands for the end of the turn's prompt too (`EchoView.dropped`):
+never a byte of UTF-8, so no view of the reply alone (what older stores hold) starts with it."""
+
+
+def _pack_echo(echo: EchoView | None) -> bytes | None:
+    """The `echo` column: the view, or `_DROPPED` + dropped + `_DROPPED` + view when it stands
+    for the end of the prompt too (one value, as stores written before hold it)."""
+    if echo is None:
+        return None
+    return _DROPPED + echo.dropped + _DROPPED + echo.view if echo.dropped else echo.view
+
+
+def _unpack_echo(stored: bytes | None) -> EchoView | None:
+    if stored is None:
+        return None
+    if not stored.startswith(_DROPPED):
+        return EchoView(stored)
+    dropped, view = stored[1:].split(_DROPPED, 1)
+    return EchoView(view, dropped)
+
+
 def _turn(
     completion_id: str,
     segment: int,
@@ -142,7 +172,7 @@ def _turn(
         reward,
         Sampling.from_json(json.loads(sampling)) if sampling else None,
         idempotency_key,
-        echo,
+        _unpack_echo(echo),
     )
 
 
@@ -292,7 +322,7 @@ class Store:
                 json.dumps(asdict(turn.sampling)) if turn.sampling else None,
                 turn.idempotency_key,
                 int(g.constrained),
-                turn.echo,
+                _pack_echo(turn.echo),
             ),
         )
 

@@ -18,12 +18,10 @@ import sqlite3
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from molt_proxy.errors import BadRequest, NotFound
-
-if TYPE_CHECKING:
-    from molt_proxy.store import Store
+from molt_proxy.store_writer import OnDb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS advantages (
@@ -104,13 +102,13 @@ def _load(db: sqlite3.Connection, trajectory_id: str) -> tuple[int, int, float |
     ).fetchone()
 
 
-async def save(store: Store, step: int, version: int, entries: list[Posted]) -> None:
+async def save(store: OnDb, step: int, version: int, entries: list[Posted]) -> None:
     """Store the entries (a 404 naming the first unknown trajectory, a 400 for a turn count
     that is not the trajectory's, and then nothing is stored)."""
     await store.on_db(_save, step, version, entries)
 
 
-async def load(store: Store, trajectory_id: str) -> dict[str, Any] | None:
+async def load(store: OnDb, trajectory_id: str) -> dict[str, Any] | None:
     """What the trainer posted for the trajectory, as the viewer reads it; None: nothing."""
     row = await store.on_db(_load, trajectory_id)
     if row is None:

@@ -20,10 +20,9 @@ import sqlite3
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from molt_proxy.store import Store
+from molt_proxy.store_writer import OnDb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -59,7 +58,7 @@ def _delete(db: sqlite3.Connection, response_id: str) -> bool:
 
 
 class StoredResponses:
-    def __init__(self, store: Store):
+    def __init__(self, store: OnDb):
         self.store = store
 
     async def save(self, response: dict[str, Any], session_id: str, history: list[dict[str, Any]]) -> None:

@@ -19,9 +19,19 @@ import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from molt_proxy.errors import StoreUnavailable
+
+T = TypeVar("T")
+
+
+class OnDb(Protocol):
+    """What the SQL kept beside the store's own (`store_responses.py`, `store_advantages.py`)
+    runs through: `Store.on_db(fn, *args)`, `fn(db, *args)` on the store's thread."""
+
+    async def on_db(self, fn: Callable[..., T], *args: Any) -> T: ...
+
 
 Write = Callable[[sqlite3.Connection], Any]
 """SQL run on the store's thread inside the batch's transaction; what it returns is the

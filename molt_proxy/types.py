@@ -339,6 +339,20 @@ class StoredSession:
     created: float
 
 
+@dataclass(slots=True, frozen=True)
+class EchoView:
+    """How a reply reads back in the history where that differs from its sampled bytes
+    (`echo.echo_view`): a request whose render shows it continues the reply's segment over
+    the sampled ids (`Segment.echo`)."""
+
+    view: bytes
+    """The bytes the chat template renders for the reply as the proxy returned it."""
+    dropped: bytes = b""
+    """The end of the turn's prompt that the view stands for too: the end of the generation
+    prompt the template leaves out of the history (Qwen3's empty `<think>` block with thinking
+    off); b"" mostly."""
+
+
 @dataclass(slots=True)
 class StoredTurn:
     """One committed turn of an open session, as the store keeps it: only what the turn
@@ -360,5 +374,5 @@ class StoredTurn:
     """What vLLM sampled the turn with (JSON in the `sampling` column; NULL before it existed)."""
     idempotency_key: str | None = None
     """The request's `Idempotency-Key`, if it sent one: a retry with the key gets `reply`."""
-    echo: bytes | None = None
-    """The reply's echo view where it differs from the sampled bytes (`echo.echo_view`)."""
+    echo: EchoView | None = None
+    """The reply's echo view, where it has one (`echo.echo_view`)."""

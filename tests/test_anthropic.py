@@ -349,7 +349,7 @@ def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_event():
         raise UpstreamError("vLLM's stream ended without its final result")
 
     async def collect() -> list[str]:
-        return [line async for line in encode_message_stream(turn(), lambda reply, session: None, 9)]
+        return [line async for line in encode_message_stream(turn(), 9)]
 
     lines = asyncio.run(collect())
     assert [line.split("\n")[0] for line in lines] == [

@@ -22,7 +22,7 @@ from molt_proxy.auth import OPEN
 from molt_proxy.errors import Conflict
 from molt_proxy.session import Attempt, Caller
 from molt_proxy.sessions import Sessions
-from molt_proxy.stitching import plan_prompt
+from molt_proxy.stitching import plan_match
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.turns import Turns
@@ -73,13 +73,13 @@ class Episode:
             admitted.set()
             if turn.replay is not None:
                 return turn.replay
-            plan = plan_prompt(turn.segments, rendered, self.tokenizer)
+            plan = plan_match(turn.match, rendered, self.tokenizer)
             if hold is not None:
                 await hold.wait()
             sampled = [*self.tokenizer.encode(reply), self.tokenizer.hf.convert_tokens_to_ids("<|im_end|>")]
             generation = Generation(sampled, [-0.5] * len(sampled), [0] * len(sampled), "stop")
             recorded = RecordedReply(name, 0, "tiny", ParsedReply(reply), "stop", len(plan.ids), len(sampled))
-            await turn.record(plan, generation, recorded, None)
+            await self.sessions.record(turn.session, plan, generation, attempt.request_hash, recorded)
         agent.messages.append({"role": "assistant", "content": reply})
         return recorded
 

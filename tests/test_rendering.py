@@ -13,7 +13,7 @@ from transformers.utils import chat_template_utils
 
 from devtools.scripts import DEFAULT_SCRIPTS, as_echoed, thinking_episode, weather_episode
 from molt_proxy.errors import BadRequest
-from molt_proxy.render_probe import Windows, probe
+from molt_proxy.render_probe import Windows, probe, window
 from molt_proxy.rendering import LEAVE_OUT, Renders
 from molt_proxy.tokenizer import Tokenizer
 from tests.test_chains import PARENT, Agent, proxy, upstream
@@ -139,10 +139,10 @@ def test_the_window_checks_alone_refuse_a_position_dependent_template():
     context does not end the earlier render."""
     qwen3 = load("qwen3")
     qwen3.hf.chat_template = NUMBERING
-    renders = Renders(Tokenizer(qwen3.hf), 1)
+    render = Tokenizer(qwen3.hf).render
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(12)]
-    earlier = renders.tokenizer.render(messages[:9], None, {})
-    assert renders.window(earlier, 9, messages[:11], None, {}, True) is None
+    earlier = render(messages[:9], None, {})
+    assert window(render, earlier, 9, messages[:11], None, {}, True, 1) is None
 
 
 def test_a_date_that_changed_renders_the_whole_history_with_the_new_date(monkeypatch):

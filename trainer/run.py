@@ -30,7 +30,7 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
     if config.ray_address:
         join_cluster(config.ray_address, include_dashboard=False)
     else:
-        ray.init(address="local", ignore_reinit_error=True, include_dashboard=False)
+        start_ray()
     # The actor does its own threading; it must not wait for a Ray CPU slot on small machines.
     # Sending weights GPU to GPU (`trainer/transfer.py`), it asks Ray for a GPU of its own if
     # the cluster has one, so that replicas Ray placed (`serve --ray-address`) are on others.
@@ -49,6 +49,28 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
             result = ray.get(result_ref)
             ray.kill(actor)
             return result
+
+
+_NODE_TIMED_OUT = "timed out during startup"
+"""What Ray 2.60's `ray.init` raises when its raylet has not registered within 30 s."""
+
+
+def start_ray(attempts: int = 3) -> None:
+    """`ray.init` of a fresh local instance, tried again when its node timed out starting.
+
+    Ray waits a fixed 30 s (not configurable) for the raylet it just launched to register with
+    its GCS; on a small machine busy with vLLM and the agents that wait can run out (seen in CI
+    on 2 cores: "The current node timed out during startup"), though a second start succeeds.
+    Any other failure is raised at once."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", ignore_reinit_error=True, include_dashboard=False)
+            return
+        except Exception as exc:
+            if _NODE_TIMED_OUT not in str(exc) or attempt == attempts:
+                raise
+            log.warning("Ray's node timed out starting (try %d of %d); starting it again", attempt, attempts)
+            ray.shutdown()
 
 
 def train_offline(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any]:

@@ -48,11 +48,10 @@ from vllm.entrypoints.anthropic.protocol import (
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from molt_proxy.conversation import Conversation, echoed_call_ids
+from molt_proxy.conversation import Conversation, check_sampling, echoed_call_ids, sampling_fields
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.jsonbody import decode_json_object
-from molt_proxy.wire.openai import check_sampling, sampling_fields
 
 _BILLING_HEADER = "x-anthropic-billing-header"
 _UNSUPPORTED = frozenset({"image", "document", "search_result", "container_upload"})
@@ -148,8 +147,6 @@ class MessagesCall:
 
     conversation: Conversation
     stream: bool
-    stop_sequences: list[str]
-    """The request's stop strings: the reply says which one ended it (`stop_sequence`)."""
     max_tokens: int
     """The request's `max_tokens` (0 for `count_tokens`): a length cut short of it met the end
     of the context (`model_context_window_exceeded`)."""
@@ -188,9 +185,8 @@ def decode_messages_request(body: bytes, *, count: bool = False) -> MessagesCall
         session_id=metadata_session(data.get("metadata")),
         call_ids=echoed_call_ids(messages),
     )
-    stop = list(getattr(request, "stop_sequences", None) or [])
     max_tokens = getattr(request, "max_tokens", 0)
-    return MessagesCall(conversation, bool(getattr(request, "stream", False)), stop, max_tokens)
+    return MessagesCall(conversation, bool(getattr(request, "stream", False)), max_tokens)
 
 
 def _validate(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:

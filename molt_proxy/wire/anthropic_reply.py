@@ -22,9 +22,7 @@ reply calls tools, `stop_sequence` when a requested stop string ended it, else `
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +32,8 @@ from molt_proxy.errors import MoltError
 from molt_proxy.parsing import arguments_object
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.anthropic import message_id, tool_use_id
-from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
-
-log = logging.getLogger(__name__)
-
-StopSequence = Callable[[RecordedReply, str], str | None]
-"""(reply, session id) → the requested stop string that ended the reply, if one did."""
+from molt_proxy.wire.events import Delta, Opened, Replayed, StreamEvent
+from molt_proxy.wire.sse import encoded
 
 
 def thinking_signature(completion_id: str) -> str:
@@ -209,44 +203,37 @@ def _end(reply: RecordedReply, stop_sequence: str | None, max_tokens: int) -> li
     return [event("message_delta", {"delta": delta, "usage": usage}), event("message_stop", {})]
 
 
-async def encode_message_stream(
-    events: AsyncGenerator[StreamEvent], stopped_by: StopSequence, max_tokens: int
-) -> AsyncGenerator[str]:
-    """A streamed turn as Anthropic's events. An error before the first event propagates (the
-    route answers it as a plain error response); after it, it ends the stream as an `error`
-    event. Closing this closes `events`, and with them the turn."""
+@dataclass(slots=True)
+class _Events:
+    """Anthropic's events of one streamed turn (`encode_message_stream`)."""
+
+    max_tokens: int
     blocks: Blocks | None = None
-    session_id = ""
-    started = False
-    async with aclosing(events):
-        try:
-            async for item in events:
-                started = True
-                if isinstance(item, Replayed):
-                    replayed = Blocks(item.reply.completion_id)
-                    reply = item.reply
-                    yield _start(reply.completion_id, reply.model, reply.prompt_tokens, item.session_id)
-                    for line in [
-                        *replayed.whole(reply.message),
-                        *_end(reply, stopped_by(reply, item.session_id), max_tokens),
-                    ]:
-                        yield line
-                elif isinstance(item, Opened):
-                    blocks, session_id = Blocks(item.completion_id), item.session_id
-                    yield _start(item.completion_id, item.model, item.prompt_tokens, item.session_id)
-                elif isinstance(item, Delta) and blocks is not None:
-                    for line in blocks.feed(item.delta):
-                        yield line
-                elif isinstance(item, Closed) and blocks is not None:
-                    lines = blocks.feed(item.last) if item.last is not None else []
-                    blocks.close()
-                    ending = _end(item.reply, stopped_by(item.reply, session_id), max_tokens)
-                    for line in [*lines, *blocks.out, *ending]:
-                        yield line
-        except Exception as exc:
-            if not started:
-                raise
-            if not isinstance(exc, MoltError):
-                log.error("internal error in a streamed message", exc_info=exc)
-                exc = MoltError("internal error")
-            yield event("error", {"error": error_body(exc)["error"]})
+
+    def lines(self, item: StreamEvent) -> list[str]:
+        if isinstance(item, Replayed):
+            reply = item.reply
+            return [
+                _start(reply.completion_id, reply.model, reply.prompt_tokens, item.session_id),
+                *Blocks(reply.completion_id).whole(reply.message),
+                *_end(reply, item.stop_sequence, self.max_tokens),
+            ]
+        if isinstance(item, Opened):
+            self.blocks = Blocks(item.completion_id)
+            return [_start(item.completion_id, item.model, item.prompt_tokens, item.session_id)]
+        if self.blocks is None:
+            return []
+        if isinstance(item, Delta):
+            return self.blocks.feed(item.delta)
+        lines = self.blocks.feed(item.last) if item.last is not None else []
+        self.blocks.close()
+        return [*lines, *self.blocks.out, *_end(item.reply, item.stop_sequence, self.max_tokens)]
+
+    def failed(self, error: MoltError) -> list[str]:
+        return [event("error", {"error": error_body(error)["error"]})]
+
+
+def encode_message_stream(events: AsyncGenerator[StreamEvent], max_tokens: int) -> AsyncGenerator[str]:
+    """A streamed turn as Anthropic's events; a failure after the first event, an `error` event
+    (`wire.sse.encoded`). Closing this closes `events`, and with them the turn."""
+    return encoded(events, _Events(max_tokens))

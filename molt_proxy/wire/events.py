@@ -1,11 +1,13 @@
 """A turn's answer in no wire format, which each wire format encodes its own way. A whole
-reply is an `Answer`; a streamed one is what `Completions.stream` yields, which a format's
-stream encoder turns into its events (OpenAI's chunks, Anthropic's message events, ...):
+reply is an `Answer`; a streamed one is what `Turn.stream` (`completions.py`) yields, which a
+format's `Encoder` turns into its events (OpenAI's chunks, Anthropic's message events, ...):
 
     Replayed                         a retry of the last request: its recorded reply, whole
     Opened, Delta*, Closed           a new turn: vLLM has answered, text as sampled, the end
 
 `Closed` comes once the turn is recorded; a stream cut short before it recorded nothing.
+A stream that fails after its first line went out ends with the format's error events, the
+same way for every format (`wire.sse.encoded`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class Answer:
 
     reply: RecordedReply
     session_id: str
+    stop_sequence: str | None = None
+    """The requested stop string that ended the reply, if one did (Anthropic reports it)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +58,8 @@ class Closed:
 
     reply: RecordedReply
     last: DeltaMessage | None
+    stop_sequence: str | None = None
+    """As `Answer.stop_sequence`."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +68,8 @@ class Replayed:
 
     reply: RecordedReply
     session_id: str
+    stop_sequence: str | None = None
+    """As `Answer.stop_sequence`."""
 
 
 StreamEvent = Opened | Delta | Closed | Replayed

@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions on the wire: request decoding, sampling fields, reply encoding.
+"""OpenAI Chat Completions on the wire: request decoding, reply encoding.
 
 A request decodes into a `ChatCall`: the format-neutral `Conversation` the turn runs on
 (messages and tools as the chat template takes them, the sampling fields, vLLM's request for
@@ -6,31 +6,33 @@ its parsers, the session hints) and what stays OpenAI's (`stream`, `include_usag
 `RecordedReply` encodes back as a whole reply or as stream chunks; `finish_reason` becomes
 OpenAI's here, and only here.
 
-Requests are validated with vLLM's own `ChatCompletionRequest` (so every field vLLM accepts
-means here what it means there), plus the checks vLLM leaves to the chat template: known
-roles, content where a role needs it, text-only content.
+Requests are validated with vLLM's own `ChatCompletionRequest` (`conversation.chat_request`:
+every field vLLM accepts means here what it means there), plus the checks vLLM leaves to the
+chat template: known roles, content where a role needs it, text-only content.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncGenerator, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-import pydantic
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.exceptions import VLLMValidationError
 
-from molt_proxy.conversation import Conversation, echoed_call_ids
-from molt_proxy.errors import BadRequest
+from molt_proxy.conversation import (
+    Conversation,
+    chat_request,
+    check_sampling,
+    echoed_call_ids,
+    requested_max_tokens,
+    sampling_fields,
+)
+from molt_proxy.errors import BadRequest, MoltError
 from molt_proxy.types import ParsedReply, RecordedReply, TokenLogprobs
-from molt_proxy.wire.events import Closed, Delta, Opened, Replayed, StreamEvent
+from molt_proxy.wire.events import Delta, Opened, Replayed, StreamEvent
 from molt_proxy.wire.jsonbody import decode_json_object
 from molt_proxy.wire.logprobs import TokenBytes, encode_logprobs, requested_logprobs
-from molt_proxy.wire.sse import DONE, data_event
+from molt_proxy.wire.sse import DONE, data_event, encoded
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _NEEDS_CONTENT = frozenset({"system", "developer", "user", "tool", "function"})
@@ -80,26 +82,6 @@ def decode_chat_request(body: bytes) -> ChatCall:
     return ChatCall(conversation, bool(request.stream), usage_chunk)
 
 
-def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -> ChatCompletionRequest:
-    """vLLM's own model. Its cross-field checks (`tool_choice` without `tools`, `top_logprobs`
-    without `logprobs`, ...) raise `VLLMValidationError`, which pydantic does not wrap, and a
-    few raise ValueError or TypeError: all are the request's fault. The message names the
-    field, never its value (a value may be a whole prompt); `names` maps a chat field to what
-    another wire format calls it (Responses' `max_output_tokens`)."""
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        where = [str(part) for part in error["loc"]]
-        param = (names or {}).get(where[0] if where else "") or ".".join(where) or None
-        raise BadRequest(f"invalid value for '{param}': {error['msg'][:300]}", param=param) from None
-    except VLLMValidationError as exc:
-        message = str(exc.args[0]) if exc.args else "invalid request"
-        raise BadRequest(message[:300], param=exc.parameter) from None
-    except (ValueError, TypeError) as exc:
-        raise BadRequest(f"invalid request: {type(exc).__name__}") from None
-
-
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The kinds of vLLM's `StructuredOutputsParams`, one of which a `structured_outputs` names."""
 
@@ -126,40 +108,6 @@ def _check_constraint_fields(data: dict[str, Any]) -> None:
             raise BadRequest(
                 f"'logit_bias' keys must be token ids in decimal digits, got {key[:40]!r}", param="logit_bias"
             )
-
-
-def check_sampling(request: ChatCompletionRequest) -> None:
-    """Sampling values in the ranges vLLM's `SamplingParams._verify_args` accepts, checked at
-    the edge so a bad one is a 400 with `param` set here rather than an upstream error (or a
-    silent default) later. `seed` is bounded to int64 by `ChatCompletionRequest` itself."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(request, name)
-        if value is not None and value < 1:
-            raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
-    _in_range(request.temperature, "temperature", 0.0, 2.0)
-    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {request.top_p}", param="top_p")
-    if request.top_k is not None and request.top_k < -1:
-        raise BadRequest(f"'top_k' must be -1 or 0 (off) or at least 1, got {request.top_k}", param="top_k")
-    _in_range(request.min_p, "min_p", 0.0, 1.0)
-    _in_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _in_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    penalty = request.repetition_penalty
-    if penalty is not None and not (math.isfinite(penalty) and penalty > 0.0):
-        raise BadRequest(f"'repetition_penalty' must be above 0, got {penalty}", param="repetition_penalty")
-    max_tokens = requested_max_tokens(request)
-    if request.min_tokens < 0 or (max_tokens is not None and request.min_tokens > max_tokens):
-        raise BadRequest(
-            f"'min_tokens' must be in [0, max_tokens], got {request.min_tokens}", param="min_tokens"
-        )
-    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
-    if any(not s for s in stop):
-        raise BadRequest("'stop' cannot contain an empty string", param="stop")
-
-
-def _in_range(value: float | None, name: str, low: float, high: float) -> None:
-    if value is not None and not (math.isfinite(value) and low <= value <= high):
-        raise BadRequest(f"'{name}' must be in [{low:g}, {high:g}], got {value}", param=name)
 
 
 def _normalize_message(message: Any, index: int) -> dict[str, Any]:
@@ -219,38 +167,6 @@ def _metadata_session(metadata: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise BadRequest("'metadata.session_id' must be a non-empty string", param="metadata.session_id")
     return value
-
-
-def sampling_fields(request: ChatCompletionRequest) -> dict[str, Any]:
-    """Every sampling field but `max_tokens` (the turn's), explicitly (DESIGN §4): an omitted
-    field would fall back to the checkpoint's generation config (e.g. `top_k=20`), not to the
-    OpenAI default. The proxy's pins and vLLM's normalisation are applied in the turn
-    (`molt_proxy.sampling.effective_sampling`)."""
-    fields: dict[str, Any] = {
-        "n": 1,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": request.top_k or 0,
-        "min_p": request.min_p or 0.0,
-        "presence_penalty": request.presence_penalty or 0.0,
-        "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": request.repetition_penalty or 1.0,
-        "seed": request.seed,
-        "stop": request.stop or [],
-        "stop_token_ids": request.stop_token_ids or [],
-        "include_stop_str_in_output": request.include_stop_str_in_output,
-        "ignore_eos": request.ignore_eos,
-        "min_tokens": request.min_tokens,
-        "logprobs": request.top_logprobs or 0,
-        "logit_bias": request.logit_bias,
-        # ids are the product; text is only needed to match stop strings.
-        "detokenize": bool(request.stop),
-    }
-    return fields
-
-
-def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
-    return request.max_completion_tokens or request.max_tokens
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -364,30 +280,42 @@ class ChunkStream:
         return stream.closing(reply, _whole_delta(reply.message), with_usage, reply.logprobs)
 
 
-async def encode_stream(
+@dataclass(slots=True)
+class _Chunks:
+    """OpenAI's events of one streamed turn (`encode_stream`)."""
+
+    with_usage: bool
+    token_bytes: TokenBytes
+    stream: ChunkStream | None = None
+
+    def lines(self, event: StreamEvent) -> list[str]:
+        if isinstance(event, Replayed):
+            return ChunkStream.replay(event.reply, event.session_id, self.with_usage, self.token_bytes)
+        if isinstance(event, Opened):
+            self.stream = ChunkStream(
+                event.completion_id, event.created, event.model, event.session_id, self.token_bytes
+            )
+            return [self.stream.chunk({"role": "assistant", "content": ""})]
+        if self.stream is None:
+            return []
+        if isinstance(event, Delta):
+            fields = delta_fields(event.delta)
+            return [self.stream.chunk(fields, entries=event.logprobs)] if fields or event.logprobs else []
+        last = delta_fields(event.last) if event.last is not None else {}
+        return self.stream.closing(event.reply, last, self.with_usage)
+
+    def failed(self, error: MoltError) -> list[str]:
+        """An error chunk, then `[DONE]`, as vLLM's chat route ends a stream that failed (the
+        OpenAI SDKs raise the error they read in a chunk)."""
+        return [data_event(error.body()), DONE]
+
+
+def encode_stream(
     events: AsyncGenerator[StreamEvent], with_usage: bool, token_bytes: TokenBytes
 ) -> AsyncGenerator[str]:
     """A streamed turn as OpenAI's server-sent events: a role chunk once vLLM answers, a chunk
     per delta (or per sampled ids whose text the parsers hold back, when logprobs are asked:
     each chunk carries the logprobs of the ids sampled since the last), then the finish
-    reason, usage (if asked) and `[DONE]`. Closing this closes `events`, and with them the
-    turn."""
-    chunks: ChunkStream | None = None
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, Replayed):
-                for line in ChunkStream.replay(event.reply, event.session_id, with_usage, token_bytes):
-                    yield line
-            elif isinstance(event, Opened):
-                chunks = ChunkStream(
-                    event.completion_id, event.created, event.model, event.session_id, token_bytes
-                )
-                yield chunks.chunk({"role": "assistant", "content": ""})
-            elif isinstance(event, Delta) and chunks is not None:
-                fields = delta_fields(event.delta)
-                if fields or event.logprobs:
-                    yield chunks.chunk(fields, entries=event.logprobs)
-            elif isinstance(event, Closed) and chunks is not None:
-                last = delta_fields(event.last) if event.last is not None else {}
-                for line in chunks.closing(event.reply, last, with_usage):
-                    yield line
+    reason, usage (if asked) and `[DONE]`; a failure after the first chunk, an error chunk
+    (`wire.sse.encoded`). Closing this closes `events`, and with them the turn."""
+    return encoded(events, _Chunks(with_usage, token_bytes))

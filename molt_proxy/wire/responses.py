@@ -28,12 +28,18 @@ from typing import Any
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers.utils import custom_tool_parameters, flat_namespace_tool_name
 
-from molt_proxy.conversation import Conversation, echoed_call_ids
+from molt_proxy.conversation import (
+    Conversation,
+    chat_request,
+    check_sampling,
+    echoed_call_ids,
+    requested_max_tokens,
+    sampling_fields,
+)
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.control import JSON_SCHEMA_FORMAT
 from molt_proxy.wire.jsonbody import decode_json_object
-from molt_proxy.wire.openai import chat_request, check_sampling, requested_max_tokens, sampling_fields
 from molt_proxy.wire.responses_items import input_messages
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"

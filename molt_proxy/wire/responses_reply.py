@@ -22,9 +22,7 @@ is a JSON string until then). A failure after the first event is `response.faile
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +40,7 @@ from molt_proxy.wire.responses_items import (
     response_id,
     shown_call_id,
 )
-
-log = logging.getLogger(__name__)
+from molt_proxy.wire.sse import encoded
 
 
 @dataclass(slots=True, frozen=True)
@@ -357,23 +354,23 @@ def _lines(shape: ReplyShape, items: Items | None, event: StreamEvent) -> tuple[
     return items, items.end(event.reply, event.last)
 
 
-async def encode_response_stream(
-    shape: ReplyShape, events: AsyncGenerator[StreamEvent]
-) -> AsyncGenerator[str]:
-    """A streamed turn as the Responses API's events. An error before the first event
-    propagates (the route answers it as a plain error response); after it, it ends the stream
-    with `response.failed`. Closing this closes `events`, and with them the turn."""
+@dataclass(slots=True)
+class _Events:
+    """The Responses API's events of one streamed turn (`encode_response_stream`)."""
+
+    shape: ReplyShape
     items: Items | None = None
-    async with aclosing(events):
-        try:
-            async for event in events:
-                items, lines = _lines(shape, items, event)
-                for line in lines:
-                    yield line
-        except Exception as exc:
-            if items is None:
-                raise
-            if not isinstance(exc, MoltError):
-                log.error("internal error in a streamed response", exc_info=exc)
-                exc = MoltError("internal error")
-            yield items.failed(exc)
+
+    def lines(self, event: StreamEvent) -> list[str]:
+        self.items, lines = _lines(self.shape, self.items, event)
+        return lines
+
+    def failed(self, error: MoltError) -> list[str]:
+        return [self.items.failed(error)] if self.items is not None else []
+
+
+def encode_response_stream(shape: ReplyShape, events: AsyncGenerator[StreamEvent]) -> AsyncGenerator[str]:
+    """A streamed turn as the Responses API's events; a failure after the first event,
+    `response.failed` (`wire.sse.encoded`). Closing this closes `events`, and with them the
+    turn."""
+    return encoded(events, _Events(shape))
