@@ -11,6 +11,8 @@ from devtools.scripts import (
     AGENTS_SDK_WEATHER_TOOL,
     DEFAULT_SCRIPTS,
     WEATHER_TOOL,
+    Conversation,
+    Family,
     as_echoed,
     render_reply,
     thinking_episode,
@@ -19,7 +21,6 @@ from devtools.scripts import (
 from devtools.teaching import teach_tiny_model
 from devtools.tinymodel import build_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source, tokenizers_root
-from devtools.types import Conversation, Family
 
 __all__ = [
     "AGENTS_SDK_WEATHER_TOOL",

@@ -3,8 +3,8 @@ how to run it offline, and the episode the model learns from what it really send
 
 `scripts/setup.sh` installs the pinned CLI (`CLI_VERSION`, from npm) under the checkout's
 `.tools/`. Claude Code's prompt is Anthropic's text, and it changes between versions, so the
-project keeps no copy of it: `capture_script()` runs the installed CLI against a stand-in server
-that answers with the script (`capture`), and `episodes()` turns the requests it sent into the
+project keeps no copy of it: `claude_code_episodes()` runs the installed CLI against a stand-in
+server that answers with the script (`capture`), and turns the requests it sent into the
 conversations the tiny model is taught. Three of them, one task (`TASK`):
 
 - `--bare` (about 1k tokens: 3 tools, a short system prompt): Bash `COMMAND`, then `ANSWER`;
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools import recording
-from devtools.types import Conversation
+from devtools.scripts import Conversation
 from rollout.harnesses.claude_code import claude_command, claude_env
 from rollout.harnesses.cli import TOOLS
 
@@ -46,17 +46,9 @@ ANSWER = "Done: hi.txt says hi."
 TITLE = '{"title": "Write hi to a file"}'
 """The reply to the title request, which asks for JSON (`output_config.format`)."""
 
-# Text that differs between runs, and what teaching shows the model in its place: as many
-# folders as dates, so each teaching day shows a folder and a date of its own (four days, not
-# twelve: Claude Code's episodes are most of what the tiny Qwen3 model is taught).
+# Text that differs between runs, and what teaching shows the model in its place.
 _TEACH_ROOTS = [
-    f"/tmp/{name}"
-    for name in (
-        "claude-code-4k2x9a1q",
-        "pytest-of-ci/pytest-17/test_cli0",
-        "tmpz8w_3nb",
-        "pytest-of-root/pytest-3/test_bare0",
-    )
+    f"/tmp/{name}" for name in ("claude-code-4k2x9a1q", "pytest-of-ci/pytest-17/test_cli0", "tmpz8w_3nb")
 ]
 _TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027, 8, 30)]
 
@@ -136,32 +128,27 @@ def _conversation(body: dict[str, Any], reply: str, vary: dict[str, list[str]]) 
     return {"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}
 
 
-def capture_script() -> dict[str, Any]:
-    """What the installed CLI sends as it plays the script: the request bodies of a `--bare` run
-    with side requests and of a default run, in order (`capture`), the folder they ran under and
-    the day. JSON, so that a day's builds share one capture (`devtools.tinymodel`)."""
+def claude_code_episodes() -> list[Conversation]:
+    """The conversations the tiny Qwen3 model learns for Claude Code (see the module's
+    docstring); none where the CLI is not installed."""
+    if not installed():
+        return []
     with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
         root = Path(folder).resolve()
-        bare = capture(root / "b", bare=True, side_requests=True)
+        title, *bare = capture(root / "b", bare=True, side_requests=True)
         default = capture(root / "d", bare=False, side_requests=False)
-    return {"root": str(root), "day": date.today().isoformat(), "bare": bare, "default": default}
+    today = date.today().isoformat()
+    days = [d.isoformat() for d in _TEACH_DAYS]
 
-
-def episodes(captured: dict[str, Any]) -> list[Conversation]:
-    """The conversations the tiny Qwen3 model learns for Claude Code (see the module's
-    docstring), from a `capture_script()`."""
-    root, days = Path(captured["root"]), [d.isoformat() for d in _TEACH_DAYS]
-    title, *bare = captured["bare"]
-
-    def vary(folder: Path) -> dict[str, list[str]]:
+    def vary(captured: Path) -> dict[str, list[str]]:
         return {
-            str(folder): _TEACH_ROOTS,
-            slug(str(folder)): [slug(r) for r in _TEACH_ROOTS],
-            captured["day"]: days,
+            str(captured): _TEACH_ROOTS,
+            slug(str(captured)): [slug(r) for r in _TEACH_ROOTS],
+            today: days,
         }
 
     return [
         _conversation(bare[-1], ANSWER, vary(root / "b")),
-        _conversation(captured["default"][-1], ANSWER, vary(root / "d")),
+        _conversation(default[-1], ANSWER, vary(root / "d")),
         _conversation(title, TITLE, {}),
     ]

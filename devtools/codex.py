@@ -3,10 +3,10 @@ run it offline, and the episode the model learns from what it really sends.
 
 `scripts/setup.sh` installs the pinned CLI (`CLI_VERSION`, from npm) under the checkout's
 `.tools/`. Codex's prompt is OpenAI's text, and it changes between versions, so the project
-keeps no copy of it: `capture_script()` runs the installed CLI against a stand-in server that
-answers with the script (`capture`), and `episodes()` turns the requests it sent into the
-conversation the tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND`
-(Codex runs it in its sandbox and sends the output back), then answers `ANSWER`.
+keeps no copy of it: `codex_episode()` runs the installed CLI against a stand-in server that
+answers with the script (`capture`), and turns the requests it sent into the conversation the
+tiny model is taught: `codex exec TASK` calls `exec_command` with `COMMAND` (Codex runs it in
+its sandbox and sends the output back), then answers `ANSWER`.
 
 `write_config` (`rollout.harnesses.codex`, which rollouts share) keeps the prompt lean and the
 same from run to run: no plugins, apps, goals, sub-agents, skills, web search, image or
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools import recording
-from devtools.types import Conversation
+from devtools.scripts import Conversation
 from rollout.harnesses.cli import TOOLS
 from rollout.harnesses.codex import codex_command, codex_env, git_repository, write_config
 
@@ -118,19 +118,15 @@ def tool_output(body: dict[str, Any]) -> str:
     return last["output"]
 
 
-def capture_script() -> list[dict[str, Any]]:
-    """What the installed CLI sends as it plays the script: its request bodies, in order
-    (`capture`). JSON, so that a day's builds share one capture (`devtools.tinymodel`)."""
-    with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
-        return capture(Path(folder))
-
-
-def episodes(captured: list[dict[str, Any]]) -> list[Conversation]:
-    """The conversation the tiny Qwen3 model learns for Codex (see the module's docstring), from
-    a `capture_script()`."""
+def codex_episode() -> list[Conversation]:
+    """The conversation the tiny Qwen3 model learns for Codex (see the module's docstring);
+    none where the CLI is not installed."""
+    if not installed():
+        return []
     from molt_proxy.wire.responses import conversation, decode_responses_request
 
-    _, last = captured
+    with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
+        _, last = capture(Path(folder))
     decoded = conversation(decode_responses_request(json.dumps(last).encode()), [])
     output = tool_output(last)
     chunk, wall = (re.search(rf"{name}: .*", output)[0] for name in ("Chunk ID", "Wall time"))

@@ -18,9 +18,10 @@ changes what it sends fails there, on the prompt, not on a reply.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from devtools.types import Conversation
+if TYPE_CHECKING:
+    from devtools.scripts import Conversation
 
 QUESTION = "What is the weather in Paris?"
 SMOLAGENTS_TASK = "What is 2 + 2?"

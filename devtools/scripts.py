@@ -9,11 +9,25 @@ those conversations through the proxy and check every reply against the script.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 from devtools.library_scripts import library_scripts
 from devtools.tokenizers import Arch
-from devtools.types import Conversation, Family
+
+Family = Literal["hermes", "llama3_json"]
+"""vLLM's `--tool-call-parser` name, which also fixes the reply format the model writes."""
+
+
+class Conversation(TypedDict):
+    """One scripted chat: every assistant message in it is a reply the model must learn."""
+
+    family: Family
+    tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]]
+    vary: NotRequired[dict[str, list[str]]]
+    """Text in the messages and tools that differs from run to run (a date, a folder), with what
+    teaching shows in its place: on teaching day k, its k-th value (cyclically)."""
+
 
 # --- Replies as the model writes them ---------------------------------------------------
 

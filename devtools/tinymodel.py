@@ -7,20 +7,15 @@ a small byte-level BPE trained here on a built-in corpus. Same seed, same bytes:
 twice gives identical weights, so tests can compare against a `transformers` forward.
 
 With a real tokenizer the model is then taught its script (`devtools.teaching`,
-`devtools.scripts.DEFAULT_SCRIPTS`, and for Qwen3 the episodes captured from the harness CLIs),
-so that it writes real tool calls and `<think>` blocks. Where the tokenizers are found:
-`devtools.tokenizers`.
+`devtools.scripts.DEFAULT_SCRIPTS`), so that it writes real tool calls and `<think>` blocks.
+Where the tokenizers are found: `devtools.tokenizers`.
 
-Builds are cached under `cache_root()` (`_cached`), each keyed by exactly what its bytes
-depend on, so examples and tests that ask for one model and one script share one build:
-- a random model: its arguments, the tokenizer's files, this module's source, the versions of
-  torch and transformers;
-- a taught one: the random model's key, the teaching's source and seed, and the script as the
-  teaching shows it, token for token (`teaching.lesson_digest`). Editing a script re-teaches the
-  models that learn it; editing a harness adapter or the proxy re-teaches none whose tokens stay;
-- a harness CLI's capture (the requests it sends for its episode, `devtools.claude_code`,
-  `devtools.codex`): the CLI's version, today's date and the source the capture runs through
-  (`_captured`), so a CLI runs once a day for every build of that day, not once per build.
+Teaching the Qwen3 model costs minutes on 2 cores, so a build is cached (`_cached`), keyed by
+everything it depends on: the arguments, the tokenizer's files, `devtools`' own source (the
+scripts and the teaching) and the rollout adapters' (the captures run the CLIs as a rollout
+does: their environment, config and command line), the versions of torch and transformers,
+and, where the Claude Code and Codex CLIs are installed (their captured episodes are taught),
+their versions and today's date. Change any of them and the next build is made afresh.
 """
 
 from __future__ import annotations
@@ -38,11 +33,12 @@ from typing import Any, Literal
 import rollout.harnesses.claude_code
 import rollout.harnesses.cli
 import rollout.harnesses.codex
-from devtools import claude_code, codex, recording, teaching
-from devtools.scripts import DEFAULT_SCRIPTS
-from devtools.teaching import lesson_digest, teach_tiny_model
+from devtools import claude_code, codex
+from devtools.claude_code import claude_code_episodes
+from devtools.codex import codex_episode
+from devtools.scripts import DEFAULT_SCRIPTS, Conversation
+from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
-from devtools.types import Conversation
 
 _LICENCE_FILES = ("LICENSE", "NOTICE.md", "USE_POLICY.md")
 
@@ -81,48 +77,22 @@ def _fallback_tokenizer(vocab_size: int):
 
 Harness = Literal["claude_code", "codex"]
 HARNESSES: tuple[Harness, ...] = ("claude_code", "codex")
-_CLIS = {"claude_code": claude_code, "codex": codex}
-_CAPTURED_THROUGH = {
-    "claude_code": (claude_code, recording, rollout.harnesses.cli, rollout.harnesses.claude_code),
-    "codex": (codex, recording, rollout.harnesses.cli, rollout.harnesses.codex),
+_EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {
+    "claude_code": claude_code_episodes,
+    "codex": codex_episode,
 }
-"""The modules a capture runs the CLI through: its environment, config and command line, the
-stand-in server and the scripted answers."""
+_CLIS = {"claude_code": claude_code, "codex": codex}
+_ADAPTERS = (rollout.harnesses.cli, rollout.harnesses.claude_code, rollout.harnesses.codex)
+"""What the captures run the CLIs through (`devtools.claude_code`, `devtools.codex`)."""
 
 
 def taught_scripts(arch: Arch, harnesses: Sequence[Harness] = HARNESSES) -> list[Conversation]:
     """What `build_tiny_model(teach=True)` teaches: `DEFAULT_SCRIPTS[arch]`, and for Qwen3 also
     the episodes of the `harnesses` whose CLIs are installed (`devtools.claude_code`,
-    `devtools.codex`: captured from the CLIs themselves, so only then). An example that plays
-    one harness learns only its episodes."""
-    captured = [e for harness in harnesses for e in _episodes(harness)] if arch == "qwen3" else []
+    `devtools.codex`: captured from the CLIs themselves, so only then). Claude Code's 19k-token
+    prompts double the teaching: an example that plays one harness learns only its episodes."""
+    captured = [e for harness in harnesses for e in _EPISODES[harness]()] if arch == "qwen3" else []
     return DEFAULT_SCRIPTS[arch] + captured
-
-
-def _episodes(harness: Harness) -> list[Conversation]:
-    """The harness's episodes, from its capture of today (`_captured`); none where its CLI is
-    not installed."""
-    cli = _CLIS[harness]
-    if not cli.installed():
-        return []
-    digest = hashlib.sha256(f"{harness} {cli.CLI_VERSION} {date.today().isoformat()}".encode())
-    for module in _CAPTURED_THROUGH[harness]:
-        digest.update(Path(module.__file__).read_bytes())
-    return cli.episodes(
-        _captured(cache_root() / "captures" / f"{digest.hexdigest()[:24]}.json", cli.capture_script)
-    )
-
-
-def _captured(path: Path, capture: Callable[[], Any]) -> Any:
-    """The JSON at `path`, captured first where it is missing: written by one rename, so a
-    capture that dies half-way leaves nothing behind."""
-    if not path.exists():
-        captured = capture()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".part", delete=False) as part:
-            json.dump(captured, part)
-        Path(part.name).replace(path)
-    return json.loads(path.read_text())
 
 
 def build_tiny_model(
@@ -148,6 +118,7 @@ def build_tiny_model(
     episodes of `harnesses` (`taught_scripts`); the fallback tokenizer's template knows no
     tools or reasoning, so that model stays random.
     """
+    out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
     # RL demos want its ~400-token vocabulary (fast steps, rewards a random model can find).
     source = None if fallback_tokenizer else Path(tokenizer_dir) if tokenizer_dir else tokenizer_source(arch)
@@ -157,25 +128,10 @@ def build_tiny_model(
         num_layers=num_layers,
         seed=seed,
         fallback_vocab_size=fallback_vocab_size,
+        teach=teach and source is not None,
+        harnesses=sorted(harnesses) if arch == "qwen3" else [],
     )
-    key = _random_key(args, source)
-    random = built = _cached(key, lambda folder: _build(folder, source, **args))
-    if teach and source is not None:
-        scripts = taught_scripts(arch, harnesses)
-        digest = hashlib.sha256(f"{key} {seed} {lesson_digest(random, scripts)}".encode())
-        digest.update(Path(teaching.__file__).read_bytes())
-        built = _cached(digest.hexdigest()[:24], lambda folder: _taught(random, folder, scripts, seed))
-    out = Path(out_dir)
-    shutil.copytree(built, out, dirs_exist_ok=True)
-    return out
-
-
-def _taught(random: Path, out: Path, scripts: list[Conversation], seed: int) -> None:
-    """The model at `random`, taught `scripts`, in `out`."""
-    shutil.copytree(random, out, dirs_exist_ok=True)
-    neutral = (random / "generation_config.json").read_bytes()
-    teach_tiny_model(out, scripts, seed=seed)
-    (out / "generation_config.json").write_bytes(neutral)  # saving a model rewrites it (`_build`)
+    return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
 
 
 def _build(
@@ -187,6 +143,8 @@ def _build(
     num_layers: int,
     seed: int,
     fallback_vocab_size: int,
+    teach: bool,
+    harnesses: list[Harness],
 ) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -225,6 +183,8 @@ def _build(
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if teach:
+        teach_tiny_model(out, taught_scripts(arch, harnesses), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(
@@ -236,16 +196,21 @@ def _build(
                 shutil.copyfile(source / name, out / name)
 
 
-def _random_key(args: dict[str, Any], source: Path | None) -> str:
-    """A digest of what a random model's bytes depend on (the module docstring lists it)."""
+def _build_key(args: dict[str, Any], source: Path | None) -> str:
+    """A digest of everything a build depends on (the module docstring lists it)."""
     import torch
     import transformers
 
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode())
     digest.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    files = [Path(__file__)] + (sorted(f for f in source.iterdir() if f.is_file()) if source else [])
+    files = sorted(Path(__file__).parent.glob("*.py")) + [Path(m.__file__) for m in _ADAPTERS]
+    if source is not None:
+        files += sorted(f for f in source.iterdir() if f.is_file())
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    installed = [f"{h} {_CLIS[h].CLI_VERSION}" for h in args["harnesses"] if _CLIS[h].CLI.exists()]
+    if args["teach"] and installed:  # their captures are taught: the CLIs, the day they run on
+        digest.update(f"{installed} {date.today().isoformat()}".encode())
     return digest.hexdigest()[:24]
 
 
@@ -254,10 +219,10 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOLT_PROXY_CACHE") or Path.home() / ".cache" / "molt-proxy")
 
 
-def _cached(key: str, build: Callable[[Path], None]) -> Path:
-    """The cache's folder for `key`, filled by `build` first where it is missing. A build lands
-    in the cache by one rename, so a build that dies half-way leaves nothing behind and two that
-    race both finish with the same bytes."""
+def _cached(out: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """`out` filled with the build cached under `key`, built first where it is not cached.
+    A build lands in the cache by one rename, so a build that dies half-way leaves nothing
+    behind and two that race both finish with the same bytes."""
     cached = cache_root() / "tiny-models" / key
     if not cached.is_dir():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -267,4 +232,5 @@ def _cached(key: str, build: Callable[[Path], None]) -> Path:
             staging.rename(cached)
         except OSError:  # another build of the same key landed first
             shutil.rmtree(staging, ignore_errors=True)
-    return cached
+    shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out

@@ -256,10 +256,7 @@ SLOW_FILES = {
     "trainer/test_end_to_end.py",
 }  # fmt: skip
 """Files that start vLLM, Ray or a trainer themselves, without those fixtures."""
-SLOW_TESTS = {
-    "test_tinymodel.py::test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it",
-    "test_tinymodel.py::test_vllm_writes_every_taught_reply_at_temperature_1_with_probability_099",
-}
+SLOW_TESTS = {"test_tinymodel.py::test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it"}
 """Tests that ask for a slow fixture by name (`request.getfixturevalue`), which collection
 cannot see; `only_for_slow_tests` fails any other such test that is not marked."""
 
