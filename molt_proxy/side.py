@@ -19,9 +19,11 @@ sentence-case title". A side request
 A session key's request cannot leave its session, so it is never taken for a side request.
 Every API format applies the rule the same way, streamed or not: the turn classifies its
 request when it opens (`completions.Completions.turn`) and closes the side session once the
-turn is recorded (a stream: once its events have all gone out). A Responses request is classified on its whole
-conversation (a `previous_response_id`'s history included), after that response's session was
-found. The rule itself is here, apart from the turn, because the settings check it too.
+turn is recorded (a stream: once its events have all gone out). A Responses request is
+classified on its whole conversation (a `previous_response_id`'s history included), after that
+response's session was found. The default rules and their check are settings
+(`config.DEFAULT_SIDE_REQUESTS`, `config.check_rules`); what is here is how the store marks a
+side request and how a reader tells one.
 """
 
 from __future__ import annotations

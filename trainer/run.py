@@ -55,21 +55,25 @@ _NODE_TIMED_OUT = "timed out during startup"
 """What Ray 2.60's `ray.init` raises when its raylet has not registered within 30 s."""
 
 
-def start_ray(attempts: int = 3) -> None:
-    """`ray.init` of a fresh local instance, tried again when its node timed out starting.
+_RAY_STARTS = 3
+
+
+def start_ray() -> None:
+    """`ray.init` of a fresh local instance, tried again (`_RAY_STARTS` in all) when its node
+    timed out starting.
 
     Ray waits a fixed 30 s (not configurable) for the raylet it just launched to register with
     its GCS; on a small machine busy with vLLM and the agents that wait can run out (seen in CI
-    on 2 cores: "The current node timed out during startup"), though a second start succeeds.
-    Any other failure is raised at once."""
-    for attempt in range(1, attempts + 1):
+    on 2 cores: "The current node timed out during startup"). Any other failure is raised at
+    once."""
+    for attempt in range(1, _RAY_STARTS + 1):
         try:
             ray.init(address="local", ignore_reinit_error=True, include_dashboard=False)
             return
         except Exception as exc:
-            if _NODE_TIMED_OUT not in str(exc) or attempt == attempts:
+            if _NODE_TIMED_OUT not in str(exc) or attempt == _RAY_STARTS:
                 raise
-            log.warning("Ray's node timed out starting (try %d of %d); starting it again", attempt, attempts)
+            log.warning("Ray's node timed out starting (try %d of %d); starting again", attempt, _RAY_STARTS)
             ray.shutdown()
 
 
