@@ -8,7 +8,8 @@ runner know nothing else about it. Two kinds:
 - `Bubblewrap` (`--sandbox bwrap`): the machine's own file system, read-only, in new
   namespaces (user, pid, network, ipc, uts, cgroup), every capability dropped, never as root
   (`SANDBOX_UID`); the workspace and the attempt's HOME read-write at their own paths; /tmp
-  and /run empty and private; minimal /dev and /proc. A timeout that kills the command kills
+  and /run empty and private (but for the checkout, .venv, .tools or Python where they lie
+  there, shown through read-only); minimal /dev and /proc. A timeout that kills the command kills
   everything inside (the pid namespace dies with it), even what left the process group.
 - `Container` (`--sandbox docker`, `podman`, `docker:IMAGE`): `run --rm --network none` with a
   read-only root, the same mounts, and the checkout, its .venv, .tools and Python bind-mounted
@@ -116,7 +117,40 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
 
 
-# 2. Bubblewrap ----------------------------------------------------------------------------
+# 2. What of the machine a harness needs --------------------------------------------------
+
+
+def _machine_paths() -> list[Path]:
+    """What a harness needs of the machine inside a container, outermost only: the checkout
+    (the relay, Python agents' code), its .venv and .tools (the pinned CLIs) wherever their
+    links point, and the Python the .venv runs on."""
+    candidates = {
+        CHECKOUT,
+        (CHECKOUT / ".venv").resolve(),
+        (CHECKOUT / ".tools").resolve(),
+        Path(sys.prefix).resolve(),
+        Path(sys.base_prefix).resolve(),
+    }
+    kept: list[Path] = []
+    for path in sorted(candidates):
+        if path.exists() and not any(path.is_relative_to(outer) for outer in kept):
+            kept.append(path)
+    return kept
+
+
+PRIVATE_TMPFS = (Path("/tmp"), Path("/run"))
+"""The folders bwrap empties for the attempt."""
+
+
+def _shown_through_tmpfs(paths: list[Path]) -> list[str]:
+    """Read-only binds for the machine's paths that an empty /tmp or /run would hide: a checkout
+    cloned under /tmp runs its harnesses from its .venv and .tools there, which the sandbox
+    would otherwise not find ("bwrap: execvp ...: No such file or directory")."""
+    hidden = [path for path in paths if any(path.is_relative_to(tmpfs) for tmpfs in PRIVATE_TMPFS)]
+    return [part for path in hidden for part in ("--ro-bind", str(path), str(path))]
+
+
+# 3. Bubblewrap ----------------------------------------------------------------------------
 
 
 SANDBOX_UID = 1000
@@ -163,7 +197,8 @@ class Bubblewrap:
             "--proc", "/proc",
             "--tmpfs", "/tmp",
             "--tmpfs", "/run",  # the host's daemons' sockets (docker's among them) stay out
-            # After the empty /tmp: a workspace, HOME or socket folder under /tmp shows through.
+            # After the empty /tmp and /run: what of theirs the attempt needs shows through.
+            *_shown_through_tmpfs(_machine_paths()),
             "--bind", workspace, workspace,
             "--bind", home, home,
             "--bind", sockets, sockets,
@@ -177,7 +212,7 @@ class Bubblewrap:
         return [*outside, *bwrap, *inside, *command], env
 
 
-# 3. Containers ----------------------------------------------------------------------------
+# 4. Containers ----------------------------------------------------------------------------
 
 DEFAULT_IMAGE = "node:20-bookworm-slim"
 """Debian 12's glibc (2.36), as the machine the runner's Python and .venv were built on, and
@@ -187,24 +222,6 @@ bind-mounted. Another image: `--sandbox docker:IMAGE` (its glibc no older than t
 CLIENT_ENV = ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "CONTAINER_HOST", "XDG_RUNTIME_DIR")
 """What the engine's client needs of the runner's environment to find its daemon (rootless
 podman its storage: hence HOME stays the runner's too)."""
-
-
-def _machine_paths() -> list[Path]:
-    """What a harness needs of the machine inside a container, outermost only: the checkout
-    (the relay, Python agents' code), its .venv and .tools (the pinned CLIs) wherever their
-    links point, and the Python the .venv runs on."""
-    candidates = {
-        CHECKOUT,
-        (CHECKOUT / ".venv").resolve(),
-        (CHECKOUT / ".tools").resolve(),
-        Path(sys.prefix).resolve(),
-        Path(sys.base_prefix).resolve(),
-    }
-    kept: list[Path] = []
-    for path in sorted(candidates):
-        if path.exists() and not any(path.is_relative_to(outer) for outer in kept):
-            kept.append(path)
-    return kept
 
 
 class Container:
@@ -254,7 +271,7 @@ class Container:
         return [*outside, *run, *inside, *command], client_env
 
 
-# 4. By name -------------------------------------------------------------------------------
+# 5. By name -------------------------------------------------------------------------------
 
 ENGINES = ("bwrap", "podman", "docker")
 """`auto`'s order: bwrap needs neither a daemon nor an image."""

@@ -267,6 +267,22 @@ def test_inside_bwrap_the_workspace_and_home_are_writable_and_nothing_else(tmp_p
     assert not Path(f"/tmp/{marker}").exists()  # the sandbox's /tmp was its own
 
 
+@needs_bwrap
+def test_a_harness_installed_under_tmp_runs_inside_bwrap_though_its_tmp_is_empty(tmp_path, monkeypatch):
+    """A checkout cloned under /tmp keeps its .venv and .tools there: the sandbox's empty /tmp
+    must still show them (read-only), or the harness is not found at all."""
+    tools = tmp_path / "checkout" / ".tools"
+    tools.mkdir(parents=True)
+    (tools / "harness").write_text("#!/bin/sh\necho ran from $0\ntouch $0.written || echo tools: refused\n")
+    (tools / "harness").chmod(0o755)
+    monkeypatch.setattr("rollout.sandbox._machine_paths", lambda: [tools.parent])
+    job = attempt(tmp_path / "attempt", "http://127.0.0.1:1024/s/tmp/v1", sandbox("bwrap"))
+    outcome = Shell(str(tools / "harness")).run(job)
+    assert outcome.transcript == f"ran from {tools / 'harness'}\ntools: refused\n"
+    assert outcome.exit_code == 0
+    assert not (tools / "harness.written").exists()
+
+
 REACH = """
 import errno, socket, sys, urllib.request
 print(urllib.request.urlopen(sys.argv[1]).read().decode())
