@@ -107,6 +107,7 @@ def build_tiny_model(
     teach: bool = True,
     fallback_tokenizer: bool = False,
     harnesses: Sequence[Harness] = HARNESSES,
+    scripts: Sequence[Conversation] | None = None,
 ) -> Path:
     """Write a tiny model plus tokenizer to `out_dir` and return the path.
 
@@ -116,7 +117,9 @@ def build_tiny_model(
     With `teach`, a model with a real tokenizer then learns `DEFAULT_SCRIPTS[arch]` (pass
     `teach=False` for a `tokenizer_dir` whose template cannot print that script) and the
     episodes of `harnesses` (`taught_scripts`); the fallback tokenizer's template knows no
-    tools or reasoning, so that model stays random.
+    tools or reasoning, so that model stays random. `scripts` teaches those conversations
+    instead: an example that plays one script learns it in seconds, where every test's
+    script costs minutes.
     """
     out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
@@ -129,7 +132,8 @@ def build_tiny_model(
         seed=seed,
         fallback_vocab_size=fallback_vocab_size,
         teach=teach and source is not None,
-        harnesses=sorted(harnesses) if arch == "qwen3" else [],
+        harnesses=sorted(harnesses) if arch == "qwen3" and scripts is None else [],
+        scripts=list(scripts) if scripts is not None else None,
     )
     return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
 
@@ -145,6 +149,7 @@ def _build(
     fallback_vocab_size: int,
     teach: bool,
     harnesses: list[Harness],
+    scripts: list[Conversation] | None,
 ) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -184,7 +189,7 @@ def _build(
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach:
-        teach_tiny_model(out, taught_scripts(arch, harnesses), seed=seed)
+        teach_tiny_model(out, scripts if scripts is not None else taught_scripts(arch, harnesses), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from weather_agent import run_agent  # noqa: E402
 
 from devtools import build_tiny_model  # noqa: E402
+from devtools.scripts import weather_episode  # noqa: E402
 from molt_proxy.export import export  # noqa: E402
 from molt_proxy.launcher import ProxyServer  # noqa: E402
 
@@ -26,8 +27,9 @@ def main() -> None:
     RUN.mkdir(parents=True, exist_ok=True)
     model = RUN / "tiny-qwen3"
     if not (model / "model.safetensors").exists():
-        print("building a tiny Qwen3 model that knows the weather script ...")
-        build_tiny_model(model, "qwen3", harnesses=())  # the harness CLIs' episodes: their examples
+        print("building a tiny Qwen3 model and teaching it the weather script (about half a minute) ...")
+        # Taught this agent's script alone: the tests' model knows every agent's, in minutes.
+        build_tiny_model(model, "qwen3", scripts=[weather_episode("hermes")])
     db = RUN / "molt-proxy.db"
     for stale in [*RUN.glob("molt-proxy.db*"), *RUN.glob("molt-proxy.log")]:
         stale.unlink()
