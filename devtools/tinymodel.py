@@ -86,13 +86,17 @@ _ADAPTERS = (rollout.harnesses.cli, rollout.harnesses.claude_code, rollout.harne
 """What the captures run the CLIs through (`devtools.claude_code`, `devtools.codex`)."""
 
 
-def taught_scripts(arch: Arch, harnesses: Sequence[Harness] = HARNESSES) -> list[Conversation]:
-    """What `build_tiny_model(teach=True)` teaches: `DEFAULT_SCRIPTS[arch]`, and for Qwen3 also
-    the episodes of the `harnesses` whose CLIs are installed (`devtools.claude_code`,
-    `devtools.codex`: captured from the CLIs themselves, so only then). Claude Code's 19k-token
-    prompts double the teaching: an example that plays one harness learns only its episodes."""
+def taught_scripts(
+    arch: Arch, harnesses: Sequence[Harness] = HARNESSES, scripts: Sequence[Conversation] | None = None
+) -> list[Conversation]:
+    """What `build_tiny_model(teach=True)` teaches: `scripts` (by default `DEFAULT_SCRIPTS[arch]`,
+    every test's), and for Qwen3 also the episodes of the `harnesses` whose CLIs are installed
+    (`devtools.claude_code`, `devtools.codex`: captured from the CLIs themselves, so only then).
+    Teaching costs by the reply and by the prompt token (Claude Code's 19k-token prompts double
+    it): an example that plays one script or harness learns only that, in seconds to a minute
+    or two, where every test's script costs minutes."""
     captured = [e for harness in harnesses for e in _EPISODES[harness]()] if arch == "qwen3" else []
-    return DEFAULT_SCRIPTS[arch] + captured
+    return [*(DEFAULT_SCRIPTS[arch] if scripts is None else scripts), *captured]
 
 
 def build_tiny_model(
@@ -114,12 +118,10 @@ def build_tiny_model(
     `tokenizer_dir` names the real tokenizer; by default it is `tokenizer_source(arch)`
     (`$MOLT_PROXY_TOKENIZERS` or the checkout's); with neither, a byte-level BPE is trained
     here. The `lm_head` is untied so that a trainer update moves logits directly.
-    With `teach`, a model with a real tokenizer then learns `DEFAULT_SCRIPTS[arch]` (pass
-    `teach=False` for a `tokenizer_dir` whose template cannot print that script) and the
-    episodes of `harnesses` (`taught_scripts`); the fallback tokenizer's template knows no
-    tools or reasoning, so that model stays random. `scripts` teaches those conversations
-    instead: an example that plays one script learns it in seconds, where every test's
-    script costs minutes.
+    With `teach`, a model with a real tokenizer then learns `scripts` (by default
+    `DEFAULT_SCRIPTS[arch]`; pass `teach=False` for a `tokenizer_dir` whose template cannot
+    print that script) and the episodes of `harnesses` (`taught_scripts`); the fallback
+    tokenizer's template knows no tools or reasoning, so that model stays random.
     """
     out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
@@ -132,7 +134,7 @@ def build_tiny_model(
         seed=seed,
         fallback_vocab_size=fallback_vocab_size,
         teach=teach and source is not None,
-        harnesses=sorted(harnesses) if arch == "qwen3" and scripts is None else [],
+        harnesses=sorted(harnesses) if arch == "qwen3" else [],
         scripts=list(scripts) if scripts is not None else None,
     )
     return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
@@ -189,7 +191,7 @@ def _build(
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach:
-        teach_tiny_model(out, scripts if scripts is not None else taught_scripts(arch, harnesses), seed=seed)
+        teach_tiny_model(out, taught_scripts(arch, harnesses, scripts), seed=seed)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(

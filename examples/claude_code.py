@@ -40,7 +40,7 @@ def main() -> None:
     if not installed():
         sys.exit("Claude Code's CLI is not installed: bash scripts/setup.sh installs it under .tools/")
     RUN.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(RUN / "tiny-qwen3", harnesses=["claude_code"])
+    model = tiny_model(RUN / "tiny-qwen3", harness="claude_code")
     with running_proxy(model, RUN, max_model_len=32768) as url:
         session = httpx.post(f"{url}/v1/sessions", json={"group_id": "hi-file"}).json()["session_id"]
         with tempfile.TemporaryDirectory(prefix="claude-code-") as folder:

@@ -47,7 +47,7 @@ def main() -> None:
     if not installed():
         sys.exit("Codex's CLI is not installed: bash scripts/setup.sh installs it under .tools/")
     RUN.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(RUN / "tiny-qwen3", harnesses=["codex"])
+    model = tiny_model(RUN / "tiny-qwen3", harness="codex")
     with running_proxy(model, RUN, max_model_len=8192) as url:
         session = httpx.post(f"{url}/v1/sessions", json={"group_id": "hi-file"}).json()["session_id"]
         with tempfile.TemporaryDirectory(prefix="codex-") as folder:

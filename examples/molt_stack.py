@@ -1,13 +1,13 @@
 """What the integration examples share: the tiny Qwen3 model and a running molt-proxy.
 
-Each example builds the tiny model that knows the scripted weather episode (once, under its
-run folder), starts `molt-proxy serve` (which starts vLLM on CPU) in its own process group,
-and stops both when the agent is done, exactly as `quickstart.py` does.
+Each example builds the tiny model that knows its agent's script (once, under `runs/`), starts
+`molt-proxy serve` (which starts vLLM on CPU) in its own process group, and stops both when the
+agent is done, as `quickstart.py` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,13 +27,17 @@ def get_weather(city: str) -> str:
     return WEATHER.get(city, "Unknown city.")
 
 
-def tiny_model(model: Path = Path("runs/quickstart/tiny-qwen3"), harnesses: Sequence[Harness] = ()) -> Path:
-    """The tiny model at `model` (by default the one `quickstart.py` builds), built on first
-    use (about a minute; cached under `~/.cache/molt-proxy`): it learns the scripts of
-    `DEFAULT_SCRIPTS` and the episodes of `harnesses` (Claude Code's, Codex's)."""
+def tiny_model(model: Path = Path("runs/examples/tiny-qwen3"), harness: Harness | None = None) -> Path:
+    """The tiny model at `model`, built on first use (cached under `~/.cache/molt-proxy`): it
+    learns every agent library's script (`DEFAULT_SCRIPTS`: minutes), or, for a `harness`,
+    that harness's episodes alone (Claude Code's, Codex's)."""
     if not (model / "model.safetensors").exists():
-        print("building a tiny Qwen3 model that knows its scripts (about a minute the first time) ...")
-        build_tiny_model(model, "qwen3", harnesses=harnesses)
+        learns = f"{harness}'s episodes" if harness else "every agent's script (minutes the first time)"
+        print(f"building a tiny Qwen3 model and teaching it {learns} ...")
+        if harness:
+            build_tiny_model(model, "qwen3", harnesses=[harness], scripts=[])
+        else:
+            build_tiny_model(model, "qwen3", harnesses=())
     return model
 
 

@@ -29,7 +29,7 @@ def main() -> None:
     if not (model / "model.safetensors").exists():
         print("building a tiny Qwen3 model and teaching it the weather script (about half a minute) ...")
         # Taught this agent's script alone: the tests' model knows every agent's, in minutes.
-        build_tiny_model(model, "qwen3", scripts=[weather_episode("hermes")])
+        build_tiny_model(model, "qwen3", harnesses=(), scripts=[weather_episode("hermes")])
     db = RUN / "molt-proxy.db"
     for stale in [*RUN.glob("molt-proxy.db*"), *RUN.glob("molt-proxy.log")]:
         stale.unlink()
