@@ -468,7 +468,7 @@ def test_every_error_has_googles_shape(proxy):
         httpx.post(proxy + "/v1beta/models/tiny:embedContent", json=HI), 404, "NOT_FOUND"
     )
     google_error(httpx.post(proxy + "/v1beta/tunedModels/x:generateContent", json=HI), 404, "NOT_FOUND")
-    google_error(httpx.delete(proxy + "/v1beta/models/tiny"), 405, "NOT_FOUND")
+    google_error(httpx.delete(proxy + "/v1beta/models/tiny"), 404, "NOT_FOUND")
     big = {"contents": [{"parts": [{"text": "x" * 300_000}]}]}
     assert "over" in google_error(httpx.post(proxy + GENERATE, json=big), 400, "INVALID_ARGUMENT")
     plain = httpx.post(proxy + GENERATE, content=json.dumps(HI), headers={"content-type": "text/plain"})
