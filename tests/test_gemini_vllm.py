@@ -355,3 +355,45 @@ def test_json_output_on_the_untaught_model_samples_no_whitespace_whole_and_strea
         assert [len(s["turns"]) for s in segments] == [2]  # the echo continued the segment
         texts.append(text)
     assert texts[0] == texts[1]
+
+
+def test_the_google_genai_sdk_echoes_its_own_history_and_the_episode_stays_one_segment(
+    qwen3_model, qwen3_vllm, start_proxy
+):
+    """Google's SDK as the agent: the model's `Content` as the SDK parsed it, sent back as
+    the SDK serialises it (the call id, `args` as an object), then the function responses."""
+    from google import genai
+    from google.genai import types
+
+    proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
+    client = genai.Client(api_key="-", http_options=types.HttpOptions(base_url=f"{proxy.url}/s/g-sdk"))
+    config = types.GenerateContentConfig(
+        system_instruction=SCRIPT[0]["content"],
+        tools=[types.Tool(function_declarations=[types.FunctionDeclaration(**WEATHER_DECLARATION)])],
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+        temperature=0,
+        max_output_tokens=60,
+    )
+    history: list[Any] = [types.Content(role="user", parts=[types.Part(text=SCRIPT[1]["content"])])]
+    first = client.models.generate_content(model="tiny", contents=history, config=config)
+    calls = first.function_calls or []
+    assert [(c.name, c.args) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "London"}),
+    ]
+    history.append(first.candidates[0].content)
+    results = [SCRIPT[3]["content"], SCRIPT[4]["content"]]
+    history.append(
+        types.Content(
+            role="user",
+            parts=[
+                types.Part.from_function_response(name=c.name, response={"output": r})
+                for c, r in zip(calls, results, strict=True)
+            ],
+        )
+    )
+    second = client.models.generate_content(model="tiny", contents=history, config=config)
+    assert second.text == SCRIPT[5]["content"]
+    httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "g-sdk", "reward": 1.0}).raise_for_status()
+    [record] = [t for t in trajectories(proxy.url) if t["session_id"] == "g-sdk"]
+    assert [t["completion_id"] for t in record["turns"]] == [first.response_id, second.response_id]
