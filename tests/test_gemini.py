@@ -23,13 +23,8 @@ from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.events import Delta, Opened
-from molt_proxy.wire.gemini import (
-    decode_count_request,
-    decode_generate_request,
-    json_schema,
-    signed_reasoning,
-    thought_signature,
-)
+from molt_proxy.wire.gemini import decode_count_request, decode_generate_request, json_schema
+from molt_proxy.wire.gemini_contents import signed_reasoning, thought_signature
 from molt_proxy.wire.gemini_reply import content_parts, encode_response, encode_stream
 from tests.conftest import MAX_MODEL_LEN
 from tests.helpers import trajectories
