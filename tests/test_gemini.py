@@ -259,6 +259,8 @@ def test_generation_config_is_the_sampling_and_thinking_config_the_template_swit
         0.2,
     )
     assert call.conversation.max_tokens == 12 and call.conversation.fit_max_tokens
+    as_string = decode(contents=HI["contents"], generationConfig={"maxOutputTokens": "12"})  # int64 as JSON
+    assert as_string.conversation.max_tokens == 12
     assert call.include_thoughts and call.conversation.template_kwargs == {"enable_thinking": True}
     off = decode(contents=HI["contents"], generationConfig={"thinkingConfig": {"thinkingBudget": 0}})
     assert off.conversation.template_kwargs == {"enable_thinking": False} and not off.include_thoughts

@@ -40,6 +40,7 @@ from molt_proxy.conversation import (
     chat_request,
     check_sampling,
     echoed_call_ids,
+    requested_max_tokens,
     sampling_fields,
     with_string_arguments,
 )
@@ -76,15 +77,61 @@ _CONTENT: dict[str, Any] = {
     "properties": {"role": {"enum": ["user", "model"]}, "parts": {"type": "array", "items": _PART}},
     "required": ["parts"],
 }
+_DECLARATION: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"},
+    },
+    "required": ["name"],
+}
 GENERATE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "Gemini API generateContent / countTokens (a subset; see docs/api-formats.md).",
     "properties": {
         "contents": {"type": "array", "items": _CONTENT, "minItems": 1},
         "systemInstruction": _CONTENT,
-        "tools": {"type": "array", "items": {"type": "object"}},
-        "toolConfig": {"type": "object"},
-        "generationConfig": {"type": "object"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"functionDeclarations": {"type": "array", "items": _DECLARATION}},
+            },
+        },
+        "toolConfig": {
+            "type": "object",
+            "properties": {
+                "functionCallingConfig": {
+                    "type": "object",
+                    "properties": {
+                        "mode": {"enum": ["AUTO", "ANY", "NONE"]},
+                        "allowedFunctionNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                }
+            },
+        },
+        "generationConfig": {
+            "type": "object",
+            "properties": {
+                "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                "topP": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "topK": {"type": "integer", "minimum": 0},
+                "maxOutputTokens": {"type": "integer", "minimum": 1},
+                "stopSequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "candidateCount": {"const": 1},
+                "seed": {"type": "integer"},
+                "responseMimeType": {"enum": ["text/plain", "application/json"]},
+                "responseSchema": {"type": "object"},
+                "thinkingConfig": {
+                    "type": "object",
+                    "properties": {
+                        "includeThoughts": {"type": "boolean"},
+                        "thinkingBudget": {"type": "integer"},
+                    },
+                },
+            },
+        },
         "generateContentRequest": {"type": "object"},
     },
 }
@@ -153,7 +200,7 @@ def _decode(data: dict[str, Any], model: str, *, count: bool) -> GeminiCall:
         tools=tools,
         template_kwargs=template_kwargs,
         sampling=sampling_fields(parser_request),
-        max_tokens=fields.get("max_tokens"),
+        max_tokens=requested_max_tokens(parser_request),
         fit_max_tokens=True,
         parser_request=parser_request,
         session_id=None,
