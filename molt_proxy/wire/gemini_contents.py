@@ -208,7 +208,11 @@ class _Contents:
         if answered is not None:
             self.unanswered.remove(answered)
         output = value.get("output")
-        text = output if set(value) == {"output"} and isinstance(output, str) else json.dumps(value)
+        text = (
+            output
+            if set(value) == {"output"} and isinstance(output, str)
+            else json.dumps(value, ensure_ascii=False)
+        )
         return {"role": "tool", "tool_call_id": identity, "content": text}
 
 
