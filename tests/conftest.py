@@ -3,7 +3,7 @@
 Everything here is real: vLLM runs on CPU (DESIGN §9); the proxy is the real app built from
 `serve`'s flags, served by uvicorn in a thread of the test process (`start_proxy`), or its
 own process (`ProxyProcess`: `python -m molt_proxy serve --upstream ...`) where a test kills
-it; clients speak HTTP.
+it; clients speak HTTP. (The app in memory, in front of the stand-in vLLM: `tests/inprocess.py`.)
 """
 
 from __future__ import annotations
