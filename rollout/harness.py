@@ -106,6 +106,12 @@ class CommandHarness:
         """`Outcome.extra`, read once the command has ended (e.g. where its transcript file is)."""
         return {}
 
+    def wait(self, process: subprocess.Popen[str], attempt: Attempt) -> tuple[str, str]:
+        """The command's stdout and stderr once it ends; `subprocess.TimeoutExpired` when the
+        attempt's time is up first (`run` then kills its process group). A test ends the wait
+        on an event instead of a clock (`tests/rollout/timeouts.py`)."""
+        return process.communicate(timeout=attempt.timeout_s)
+
     def run(self, attempt: Attempt) -> Outcome:
         self.prepare(attempt)
         command, env = self.command(attempt), self.env(attempt)
@@ -128,7 +134,7 @@ class CommandHarness:
             return Outcome(exit_code=None, error=f"cannot run {command[0]}: {exc}")
         timed_out = False
         try:
-            stdout, stderr = process.communicate(timeout=attempt.timeout_s)
+            stdout, stderr = self.wait(process, attempt)
         except subprocess.TimeoutExpired:
             timed_out = True
             stdout, stderr = _killed(process)

@@ -3,7 +3,7 @@
 Everything here is real: vLLM runs on CPU (DESIGN §9); the proxy is the real app built from
 `serve`'s flags, served by uvicorn in a thread of the test process (`start_proxy`), or its
 own process (`ProxyProcess`: `python -m molt_proxy serve --upstream ...`) where a test kills
-it; clients speak HTTP.
+it; clients speak HTTP. (The app in memory, in front of the stand-in vLLM: `tests/inprocess.py`.)
 """
 
 from __future__ import annotations
@@ -15,16 +15,21 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from filelock import FileLock
 
-from devtools import Arch, build_tiny_model, tokenizer_source
 from molt_proxy import lora
 from molt_proxy.auth import load_keys
 from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.launcher import ProxyServer, VLLMServer
-from tests.inprocess import serve_app
+
+if TYPE_CHECKING:
+    from devtools import Arch
+
+# The app (and the vLLM parsers it imports) and `devtools` (torch) are imported where they are
+# used, not here: pytest-xdist's controller loads this file too, and runs no test.
 
 MAX_MODEL_LEN = 2048
 """The context of the Llama server and of the stand-in vLLM in the in-process tests."""
@@ -65,6 +70,8 @@ def only_for_slow_tests(request: pytest.FixtureRequest) -> None:
 
 
 def _model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, arch: Arch) -> Path:
+    from devtools import build_tiny_model, tokenizer_source
+
     only_for_slow_tests(request)
     if tokenizer_source(arch) is None:
         pytest.skip(f"the real {arch} tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
@@ -80,6 +87,8 @@ def qwen3_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def untaught_qwen3_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 with the real tokenizer, never taught: a weak policy, as RL starts
     from, for the paths a grammar forces (tool calls, JSON) that it would never take itself."""
+    from devtools import build_tiny_model, tokenizer_source
+
     only_for_slow_tests(request)
     if tokenizer_source("qwen3") is None:
         pytest.skip("the real qwen3 tokenizer is not in $MOLT_PROXY_TOKENIZERS or ../shared/tokenizers")
@@ -155,6 +164,8 @@ def app_proxy(
     model: Path, upstream: str | list[str], db: Path, args: Sequence[str] = ()
 ) -> Iterator[AppProxy]:
     """`molt-proxy serve --upstream ... --verify-prompt-ids *args`, in this process."""
+    from tests.inprocess import serve_app
+
     urls = [upstream] if isinstance(upstream, str) else upstream
     argv = ["serve", "--model", str(model), "--db", str(db), "--verify-prompt-ids", *args]
     flags = parser().parse_args(argv + [flag for url in urls for flag in ("--upstream", url)])
@@ -181,6 +192,8 @@ def start_proxy(tmp_path: Path) -> Iterator:
 @pytest.fixture(scope="session")
 def digits_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny model with the small self-trained byte-level tokenizer (fast to train)."""
+    from devtools import build_tiny_model
+
     only_for_slow_tests(request)
     return built_once(
         tmp_path_factory,

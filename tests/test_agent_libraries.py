@@ -28,8 +28,8 @@ from devtools.library_scripts import (
     smolagents_episode,
 )
 from integrations.session import MoltSession, molt_session
-from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import forward_logprobs
+from tests.inprocess import loaded_tokenizer
 from tests.test_integrations import SCRIPT, SCRIPTED_ANSWERS, _assert_recorded
 
 # The example agents are what these tests drive: they are imported from examples/ as they are.
@@ -55,7 +55,7 @@ def _assert_taught(
 ) -> None:
     """One segment of one call: its prompt is the template's render of the script's history
     (what the library sent), its reply the scripted one; the ids, mask and logprobs hold."""
-    tokenizer = Tokenizer.load(str(model_dir))
+    tokenizer = loaded_tokenizer(str(model_dir))
     ids, turns, messages = trajectory["token_ids"], trajectory["turns"], script["messages"]
     taught = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert [t["constrained"] for t in turns] == [constrained] * len(taught)

@@ -24,14 +24,14 @@ from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import TokenLogprobs
 from molt_proxy.wire.logprobs import encode_logprobs
 from tests.helpers import assert_exact, trajectories
-from tests.inprocess import chat_body, inprocess_proxy, mock_reply_ids, qwen3_tokenizer_dir
+from tests.inprocess import chat_body, inprocess_proxy, loaded_tokenizer, mock_reply_ids, qwen3_tokenizer_dir
 
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.load(str(qwen3_tokenizer_dir()))
+    return loaded_tokenizer(str(qwen3_tokenizer_dir()))
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,12 @@ from molt_proxy.cli import parser
 from molt_proxy.config import DEFAULT_SIDE_REQUESTS, Settings
 from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
-from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.anthropic import decode_messages_request
 from molt_proxy.wire.anthropic_reply import Blocks, encode_message_stream
 from molt_proxy.wire.events import Delta, Opened, StreamEvent
 from tests.conftest import MAX_MODEL_LEN
 from tests.helpers import trajectories
-from tests.inprocess import REPLY_TEXT, inprocess_proxy, qwen3_tokenizer_dir, serve_app
+from tests.inprocess import REPLY_TEXT, inprocess_proxy, loaded_tokenizer, qwen3_tokenizer_dir, serve_app
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +127,7 @@ def test_blocks_decode_into_the_templates_messages():
 def test_an_anthropic_request_renders_as_the_chat_completion_it_means():
     """The taught weather script, sent as Anthropic blocks, renders to the very text the chat
     request renders to (so the taught model answers it), with or without cache markers."""
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     chat = weather_episode("hermes")["messages"]
     arguments = [json.loads(c["function"]["arguments"]) for c in chat[2]["tool_calls"]]
     uses = [
@@ -369,7 +368,7 @@ def test_max_tokens_over_the_context_is_lowered_to_fit_and_a_cut_there_says_so(p
     upstream = httpx.get(f"{proxy}/health").json()["replicas"][0]["url"]
     sdk = client(proxy)
     prompt = sdk.messages.count_tokens(model="m", messages=USER).input_tokens
-    ids = Tokenizer.load(str(qwen3_tokenizer_dir())).encode("Hello there")
+    ids = loaded_tokenizer(str(qwen3_tokenizer_dir())).encode("Hello there")
     script = [{"token_ids": ids, "finish_reason": "length"}] * 2
     httpx.post(f"{upstream}/_script", json=script).raise_for_status()
     cut = sdk.messages.create(model="m", max_tokens=20_000, messages=USER)  # the SDK's most unstreamed
@@ -476,7 +475,7 @@ def test_a_llama_episode_is_one_segment_of_the_ids_its_requests_render_to(tmp_pa
     source = tokenizer_source("llama")
     if source is None:
         pytest.skip("the real llama3.2 tokenizer is not in ../shared/tokenizers")
-    tokenizer = Tokenizer.load(str(source))
+    tokenizer = loaded_tokenizer(str(source))
     chat = weather_episode("llama3_json")["messages"]
     replies = [render_reply(m, "llama3_json") for m in chat if m["role"] == "assistant"][:2]
     eot = tokenizer.hf.eos_token_id
@@ -536,7 +535,7 @@ def qwen3_call(arguments: str) -> str:
 
 def scripted(upstream: str, *texts: str) -> list[list[int]]:
     """Queue what the stand-in vLLM samples next: each text, then `<|im_end|>`."""
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     script = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in texts]
     body = [{"token_ids": ids, "finish_reason": "stop"} for ids in script]
     httpx.post(f"{upstream}/_script", json=body).raise_for_status()
@@ -593,7 +592,7 @@ def test_a_thinking_off_tool_episode_is_one_segment_over_the_ids_sent(qwen3_tool
     request["messages"] += [echo(second), {"role": "user", "content": "Thanks!"}]
     assert sdk.messages.create(**request).content[0].text == "Bye."
     record = one_exact_segment(qwen3_tools, "off", sampled)
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     prompts = [record["token_ids"][: t["completion_start"]] for t in record["turns"]]
     assert all(tokenizer.ids_bytes(p).endswith(b"assistant\n<think>\n\n</think>\n\n") for p in prompts)
     conversation = decode(**{k: v for k, v in request.items() if k != "max_tokens"}).conversation
@@ -652,7 +651,7 @@ def test_an_echoed_thinking_block_restores_exactly_without_the_blank_text_block(
     record = one_exact_segment(qwen3_tools, "thought", sampled)
     first_turn = record["turns"][0]
     assert record["turns"][1]["prompt_start"] == first_turn["completion_end"]
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     completion = record["token_ids"][first_turn["completion_start"] : first_turn["completion_end"]]
     assert tokenizer.ids_bytes(completion) == (thought + "<|im_end|>").encode()
 
@@ -697,7 +696,7 @@ def test_sampling_fields_reach_vllm_and_a_thinking_budget_must_be_below_max_toke
 
 def test_a_failed_generation_is_an_api_error_and_tool_choice_none_leaves_a_call_as_text(qwen3_tools):
     url, upstream = qwen3_tools
-    ids = Tokenizer.load(str(qwen3_tokenizer_dir())).encode("Hi.")
+    ids = loaded_tokenizer(str(qwen3_tokenizer_dir())).encode("Hi.")
     broken = [{"token_ids": ids, "finish_reason": "stop", "logprobs": [-0.5]}]  # the stand-in fails: 500
     httpx.post(f"{upstream}/_script", json=broken).raise_for_status()
     request = {"model": "m", "max_tokens": 50, "messages": USER, "thinking": {"type": "disabled"}}

@@ -27,14 +27,14 @@ from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.turns import Turns
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
-from tests.inprocess import qwen3_tokenizer_dir
+from tests.inprocess import loaded_tokenizer, qwen3_tokenizer_dir
 
 CALLER = Caller("episode", None, None, OPEN)
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.load(str(qwen3_tokenizer_dir()))
+    return loaded_tokenizer(str(qwen3_tokenizer_dir()))
 
 
 @dataclass

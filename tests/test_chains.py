@@ -23,7 +23,7 @@ from molt_proxy.config import Settings
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Trajectory
 from tests.helpers import trajectories
-from tests.inprocess import mock_vllm, qwen3_tokenizer_dir, serve_app
+from tests.inprocess import loaded_tokenizer, mock_vllm, qwen3_tokenizer_dir, serve_app
 from trainer.buffer import GroupBuffer
 
 PARENT = "You are the lead agent. Plan the trip."
@@ -84,7 +84,7 @@ class Served:
 def upstream() -> Iterator[tuple[str, Tokenizer, Path]]:
     model = qwen3_tokenizer_dir()
     with mock_vllm(model) as url:
-        yield url, Tokenizer.load(str(model)), model
+        yield url, loaded_tokenizer(str(model)), model
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from tests.helpers import (
     trajectories,
     write_old_store,
 )
-from tests.inprocess import mock_vllm, serve_app
+from tests.inprocess import loaded_tokenizer, mock_vllm, serve_app
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -109,7 +109,7 @@ def served(arch: str, db: Path, reasoning_parser: str | None = None) -> Iterator
             reasoning_parser=reasoning_parser,
         )
         with serve_app(settings) as url:
-            yield Proxy(url, upstream, Tokenizer.load(str(model)))
+            yield Proxy(url, upstream, loaded_tokenizer(str(model)))
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +437,7 @@ def test_a_store_from_before_echo_views_opens_and_its_turns_continue_by_their_sa
         old = Store(db_path)
         await old.open()
         try:
-            sessions = Sessions(old, Tokenizer.load(str(_tokenizer_dir("qwen3"))), "tiny")
+            sessions = Sessions(old, loaded_tokenizer(str(_tokenizer_dir("qwen3"))), "tiny")
             await sessions.recover()
             return sessions
         finally:
@@ -488,7 +488,7 @@ def test_vllm_re_serialising_agents_named_and_zero_config_are_one_exact_segment(
 
 def test_vllm_cut_replies_echoed_as_returned_stay_one_exact_segment(qwen3_model, qwen3_vllm, start_proxy):
     proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
-    newline = Tokenizer.load(str(qwen3_model)).encode("\n")
+    newline = loaded_tokenizer(str(qwen3_model)).encode("\n")
     cases = {
         "stop": {"stop": ["e"]},
         "stop-included": {"stop": ["e"], "include_stop_str_in_output": True},

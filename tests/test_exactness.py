@@ -11,9 +11,9 @@ import pytest
 from openai import OpenAI
 
 from devtools import AGENTS_SDK_WEATHER_TOOL, thinking_episode, weather_episode
-from molt_proxy.tokenizer import Tokenizer
 from tests.conftest import AppProxy, app_proxy
 from tests.helpers import assert_exact, play, trajectories
+from tests.inprocess import loaded_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def recorded(proxy: AppProxy, session: str) -> list[dict[str, Any]]:
 
 
 def _render_first_request(model_dir, conversation) -> list[int]:
-    tokenizer = Tokenizer.load(str(model_dir))
+    tokenizer = loaded_tokenizer(str(model_dir))
     first_reply = next(i for i, m in enumerate(conversation["messages"]) if m["role"] == "assistant")
     text = tokenizer.render(conversation["messages"][:first_reply], conversation["tools"], {})
     return tokenizer.encode(text)
@@ -75,7 +75,7 @@ def test_qwen3_think_stripping_opens_a_segment_and_both_are_exact(qwen3_model, q
     assert [t["completion_id"] for t in second["turns"]] == [replies[1].id]
     assert first["reward"] == second["reward"] == 0.5
     # The new segment starts from the full re-render, where the first <think> block is gone.
-    assert "<think>" not in Tokenizer.load(str(qwen3_model)).hf.decode(second["token_ids"][:20])
+    assert "<think>" not in loaded_tokenizer(str(qwen3_model)).hf.decode(second["token_ids"][:20])
     for trajectory in (first, second):
         assert_exact(trajectory, qwen3_model)
 
@@ -123,7 +123,7 @@ def test_compacting_agent_opens_a_segment_and_both_are_exact(qwen3_model, qwen3_
     httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": "compactor", "reward": -1}).raise_for_status()
     records = recorded(proxy, "compactor")
     assert [(r["segment"], r["reward"]) for r in records] == [(0, -1.0), (1, -1.0)]
-    tokenizer = Tokenizer.load(str(qwen3_model))
+    tokenizer = loaded_tokenizer(str(qwen3_model))
     assert records[1]["token_ids"][: records[1]["turns"][0]["completion_start"]] == tokenizer.encode(
         tokenizer.render(compacted, None, {})
     )

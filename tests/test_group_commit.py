@@ -19,14 +19,14 @@ from molt_proxy.stitching import PromptPlan
 from molt_proxy.store import Store
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply
-from tests.inprocess import qwen3_tokenizer_dir
+from tests.inprocess import loaded_tokenizer, qwen3_tokenizer_dir
 
 SESSIONS = 16
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.load(str(qwen3_tokenizer_dir()))
+    return loaded_tokenizer(str(qwen3_tokenizer_dir()))
 
 
 async def _record(sessions: Sessions, session: Session, completion_id: str, turn: int) -> None:

@@ -21,7 +21,13 @@ from molt_proxy import advantages
 from molt_proxy.completions import OFF_LOOP_BYTES
 from molt_proxy.routes import EventStream
 from molt_proxy.tokenizer import Tokenizer
-from tests.inprocess import MOCK_MAX_MODEL_LEN, chat_body, inprocess_proxy, qwen3_tokenizer_dir
+from tests.inprocess import (
+    MOCK_MAX_MODEL_LEN,
+    chat_body,
+    inprocess_proxy,
+    loaded_tokenizer,
+    qwen3_tokenizer_dir,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 DEEP = 5000
@@ -334,7 +340,7 @@ def test_a_large_request_records_the_exact_ids_of_its_render(client):
     assert response.status_code == 200, response.text
     client.post("/v1/rewards", json={"session_id": session, "reward": 1.0}).raise_for_status()
     record = next(r for r in client.get("/v1/trajectories").json()["data"] if r["session_id"] == session)
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     prompt = tokenizer.encode(tokenizer.render([{"role": "user", "content": LARGE_CONTENT}], None, {}))
     assert record["token_ids"][: len(prompt)] == prompt
     assert response.json()["usage"]["prompt_tokens"] == len(prompt)
@@ -357,7 +363,7 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_tokenizing(clien
 
 
 def test_the_token_lower_bound_never_exceeds_the_real_count():
-    tokenizer = Tokenizer.load(str(qwen3_tokenizer_dir()))
+    tokenizer = loaded_tokenizer(str(qwen3_tokenizer_dir()))
     for text in ["", "hi", " " * 1000, "héllo wörld " * 50, "日本語のテキスト" * 30, "<|im_end|>" * 5]:
         assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text))
     assert tokenizer.min_tokens("e\u0301" * 100) == 0  # not NFC: the normalizer may shrink it

@@ -17,8 +17,8 @@ import pytest
 
 from devtools import AGENTS_SDK_WEATHER_TOOL, render_reply, weather_episode
 from integrations.session import MoltSession, molt_session
-from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import assert_exact, play
+from tests.inprocess import loaded_tokenizer
 
 # The example agents are what these tests drive: they are imported from examples/ as they are.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -46,7 +46,7 @@ def _assert_recorded(
     [trajectory] = [t for t in data if t["session_id"] == session.session_id]
     assert trajectory["trajectory_id"] == answer["trajectories"][0]["trajectory_id"]
     assert (trajectory["reward"], trajectory["info"], trajectory["group_id"]) == (1.0, info, session.group_id)
-    tokenizer = Tokenizer.load(str(model_dir))
+    tokenizer = loaded_tokenizer(str(model_dir))
     ids, turns = trajectory["token_ids"], trajectory["turns"]
     assert ids[: turns[0]["completion_start"]] == tokenizer.encode(
         tokenizer.render(SCRIPT["messages"][:2], tools, {})

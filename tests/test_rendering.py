@@ -17,7 +17,7 @@ from molt_proxy.render_probe import Windows, probe, window
 from molt_proxy.rendering import LEAVE_OUT, Renders
 from molt_proxy.tokenizer import Tokenizer
 from tests.test_chains import PARENT, Agent, proxy, upstream
-from tests.test_tokenizer import load
+from tests.test_tokenizer import fresh, load
 
 Messages = list[dict[str, Any]]
 
@@ -124,7 +124,7 @@ the analysis of earlier turns), plain ones included."""
 
 @pytest.mark.parametrize("template", [NUMBERING, HIDING], ids=["numbering", "hiding"])
 def test_a_template_that_renders_by_position_gets_no_windows_and_renders_whole(template):
-    qwen3 = load("qwen3")
+    qwen3 = fresh("qwen3")
     qwen3.hf.chat_template = template
     tokenizer = Tokenizer(qwen3.hf)
     assert probe(tokenizer, None, {}) == Windows(False, False, False)
@@ -137,7 +137,7 @@ def test_a_template_that_renders_by_position_gets_no_windows_and_renders_whole(t
 def test_the_window_checks_alone_refuse_a_position_dependent_template():
     """Were the probe wrong, the checks on each window would still refuse it: a numbered
     context does not end the earlier render."""
-    qwen3 = load("qwen3")
+    qwen3 = fresh("qwen3")
     qwen3.hf.chat_template = NUMBERING
     render = Tokenizer(qwen3.hf).render
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(12)]

@@ -20,13 +20,12 @@ from vllm.tool_parsers.utils import custom_tool_parameters
 
 from devtools.scripts import AGENTS_SDK_WEATHER_TOOL, WEATHER_TOOL, weather_episode
 from molt_proxy.errors import UpstreamError
-from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.events import Closed, Delta, Opened, StreamEvent
 from molt_proxy.wire.responses import conversation, decode_responses_request
 from molt_proxy.wire.responses_items import encrypted_reasoning
 from molt_proxy.wire.responses_reply import ReplyShape, encode_response_stream
-from tests.inprocess import inprocess_proxy
+from tests.inprocess import inprocess_proxy, loaded_tokenizer
 from tests.test_constrained import grammar
 from tests.test_echo import Proxy, qwen3_call, served
 
@@ -169,7 +168,7 @@ def test_the_weather_script_as_items_renders_as_the_chat_it_means(arch):
     renders to (so the taught model answers it), also in the Agents SDK's spelling."""
     from tests.test_echo import _tokenizer_dir
 
-    tokenizer = Tokenizer.load(str(_tokenizer_dir(arch)))
+    tokenizer = loaded_tokenizer(str(_tokenizer_dir(arch)))
     chat = weather_episode("hermes" if arch == "qwen3" else "llama3_json")["messages"]
     calls = chat[2]["tool_calls"]
     items = [

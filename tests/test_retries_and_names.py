@@ -24,10 +24,9 @@ from molt_proxy.cli import parser, settings_from_args
 from molt_proxy.session import Attempt
 from molt_proxy.sessions import Sessions
 from molt_proxy.store import Store
-from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import ParsedReply, RecordedReply
 from tests.helpers import write_old_store
-from tests.inprocess import chat_body, inprocess_proxy, qwen3_tokenizer_dir
+from tests.inprocess import chat_body, inprocess_proxy, loaded_tokenizer, qwen3_tokenizer_dir
 
 CHAT = "/v1/chat/completions"
 
@@ -216,7 +215,7 @@ def test_a_store_from_before_idempotency_keys_opens_and_replays_its_turns_by_has
     async def reopen() -> Sessions:
         opened = Store(db_path)
         await opened.open()
-        sessions = Sessions(opened, Tokenizer.load(str(qwen3_tokenizer_dir())), "tiny")
+        sessions = Sessions(opened, loaded_tokenizer(str(qwen3_tokenizer_dir())), "tiny")
         await sessions.recover()
         await opened.close()
         return sessions

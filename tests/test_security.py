@@ -2,7 +2,7 @@
 writes or reads training data answers without a key; a key acts only where its kind allows;
 ids cannot be probed; keys are never stored, and the store is private to its user.
 
-Runs the real app in process in front of the instant stand-in vLLM (`tests/inprocess.py`).
+Runs the real app in memory in front of the instant stand-in vLLM (`tests/inprocess.py`: `app_client`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from molt_proxy.auth import load_keys
 from molt_proxy.cli import parser
 from molt_proxy.config import Settings
-from tests.inprocess import chat_body, inprocess_proxy, post
+from tests.inprocess import app_client, chat_body
 
 ADMIN_KEY = "admin-0123456789abcdef"
 AGENT_X = "agent-x-0123456789abcdef"
@@ -58,25 +58,25 @@ def db_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def proxy(db_path: Path) -> Iterator[str]:
-    with inprocess_proxy(db_path, admin_key=ADMIN_KEY, agent_keys=[AGENT_X, AGENT_Y]) as url:
-        yield url
+def proxy(db_path: Path) -> Iterator[httpx.Client]:
+    with app_client(db_path, admin_key=ADMIN_KEY, agent_keys=[AGENT_X, AGENT_Y]) as client:
+        yield client
 
 
-def create(proxy: str, key: str, **body: str) -> dict[str, Any]:
-    response = post(proxy, "/v1/sessions", json=body, headers=bearer(key))
+def create(proxy: httpx.Client, key: str, **body: str) -> dict[str, Any]:
+    response = proxy.post("/v1/sessions", json=body, headers=bearer(key))
     assert response.status_code == 201, response.text
     return response.json()
 
 
-def turns(proxy: str, session_id: str) -> list[list[str]]:
-    response = httpx.get(f"{proxy}/v1/sessions/{session_id}", headers=ADMIN)
+def turns(proxy: httpx.Client, session_id: str) -> list[list[str]]:
+    response = proxy.get(f"/v1/sessions/{session_id}", headers=ADMIN)
     assert response.status_code == 200, response.text
     return [segment["turns"] for segment in response.json()["segments"]]
 
 
-def reward(proxy: str, key: str, **body: object) -> httpx.Response:
-    return post(proxy, "/v1/rewards", json={"reward": 1.0, **body}, headers=bearer(key))
+def reward(proxy: httpx.Client, key: str, **body: object) -> httpx.Response:
+    return proxy.post("/v1/rewards", json={"reward": 1.0, **body}, headers=bearer(key))
 
 
 # -- 1. nobody appends to a session that is not theirs ----------------------------------------
@@ -85,11 +85,11 @@ def reward(proxy: str, key: str, **body: object) -> httpx.Response:
 def test_anonymous_chat_is_refused_however_it_names_the_session_and_records_nothing(proxy):
     victim = create(proxy, ADMIN_KEY)["session_id"]
     attempts = [
-        post(proxy, f"/s/{victim}{CHAT}", json=chat_body()),
-        post(proxy, CHAT, json=chat_body(), headers={"x-session-id": victim}),
-        post(proxy, CHAT, json=chat_body(metadata={"session_id": victim})),
-        post(proxy, CHAT, json=chat_body()),  # inferred: no session at all
-        post(proxy, CHAT, json=chat_body(), headers=bearer("not-a-key")),
+        proxy.post(f"/s/{victim}{CHAT}", json=chat_body()),
+        proxy.post(CHAT, json=chat_body(), headers={"x-session-id": victim}),
+        proxy.post(CHAT, json=chat_body(metadata={"session_id": victim})),
+        proxy.post(CHAT, json=chat_body()),  # inferred: no session at all
+        proxy.post(CHAT, json=chat_body(), headers=bearer("not-a-key")),
     ]
     assert [r.status_code for r in attempts] == [401] * 5
     assert [r.json() for r in attempts[:4]] == [UNAUTHENTICATED] * 4
@@ -100,19 +100,18 @@ def test_anonymous_chat_is_refused_however_it_names_the_session_and_records_noth
 
 
 def test_anonymous_caller_cannot_pre_create_a_session_with_a_group_header(proxy):
-    refused = post(proxy, CHAT, json=chat_body(), headers={"x-session-id": "task-1", "x-group-id": "evil"})
+    refused = proxy.post(CHAT, json=chat_body(), headers={"x-session-id": "task-1", "x-group-id": "evil"})
     assert (refused.status_code, refused.json()) == (401, UNAUTHENTICATED)
-    assert post(proxy, "/v1/sessions", json={"session_id": "task-1"}).status_code == 401
+    assert proxy.post("/v1/sessions", json={"session_id": "task-1"}).status_code == 401
     # The real agent then gets its session, in its own group, not a 409.
-    owned = post(
-        proxy,
+    owned = proxy.post(
         CHAT,
         json=chat_body(),
         headers={**bearer(AGENT_X), "x-session-id": "task-1", "x-group-id": "g"},
     )
     assert owned.status_code == 200, owned.text
     assert owned.json()["session_id"] == "task-1"
-    described = httpx.get(f"{proxy}/v1/sessions/task-1", headers=ADMIN).json()
+    described = proxy.get("/v1/sessions/task-1", headers=ADMIN).json()
     assert described["group_id"] == "g" and len(described["segments"][0]["turns"]) == 1
 
 
@@ -120,20 +119,20 @@ def test_a_session_key_chats_on_its_own_session_only(proxy):
     mine, other = create(proxy, ADMIN_KEY), create(proxy, ADMIN_KEY)
     key, theirs = bearer(mine["api_key"]), other["session_id"]
     refused = [
-        post(proxy, CHAT, json=chat_body(), headers={**key, "x-session-id": theirs}),
-        post(proxy, f"/s/{theirs}{CHAT}", json=chat_body(), headers=key),
-        post(proxy, CHAT, json=chat_body(metadata={"session_id": theirs}), headers=key),
-        post(proxy, CHAT, json=chat_body(), headers={**key, "x-session-id": "no-such-session"}),
+        proxy.post(CHAT, json=chat_body(), headers={**key, "x-session-id": theirs}),
+        proxy.post(f"/s/{theirs}{CHAT}", json=chat_body(), headers=key),
+        proxy.post(CHAT, json=chat_body(metadata={"session_id": theirs}), headers=key),
+        proxy.post(CHAT, json=chat_body(), headers={**key, "x-session-id": "no-such-session"}),
     ]
     expected = forbidden("this session key may only chat on its own session")
     assert [(r.status_code, r.json()) for r in refused] == [(403, expected)] * 4
-    assert post(proxy, "/v1/sessions", headers=key).status_code == 403
-    assert httpx.get(f"{proxy}/v1/trajectories", headers=key).status_code == 403
-    answered = post(proxy, CHAT, json=chat_body(), headers=key)
+    assert proxy.post("/v1/sessions", headers=key).status_code == 403
+    assert proxy.get("/v1/trajectories", headers=key).status_code == 403
+    answered = proxy.post(CHAT, json=chat_body(), headers=key)
     assert answered.status_code == 200 and answered.json()["session_id"] == mine["session_id"]
     assert turns(proxy, theirs) == []
     assert turns(proxy, mine["session_id"]) == [[answered.json()["id"]]]
-    described = httpx.get(f"{proxy}/v1/sessions/{mine['session_id']}", headers=key)
+    described = proxy.get(f"/v1/sessions/{mine['session_id']}", headers=key)
     assert described.status_code == 200 and described.json()["session_id"] == mine["session_id"]
     closed = reward(proxy, mine["api_key"], session_id=mine["session_id"])
     assert closed.status_code == 200 and closed.json()["status"] == "rewarded"
@@ -142,13 +141,13 @@ def test_a_session_key_chats_on_its_own_session_only(proxy):
 def test_an_agent_key_cannot_chat_on_or_reward_another_agents_session(proxy):
     session = create(proxy, AGENT_X, group_id="task-7")
     sid = session["session_id"]
-    first = post(proxy, f"/s/{sid}{CHAT}", json=chat_body(), headers=bearer(AGENT_X))
+    first = proxy.post(f"/s/{sid}{CHAT}", json=chat_body(), headers=bearer(AGENT_X))
     assert first.status_code == 200, first.text
     completion = first.json()["id"]
     expected = forbidden(f"session {sid!r} belongs to another key")
-    by_path = post(proxy, f"/s/{sid}{CHAT}", json=chat_body("more"), headers=bearer(AGENT_Y))
-    by_header = post(proxy, CHAT, json=chat_body("more"), headers={**bearer(AGENT_Y), "x-session-id": sid})
-    by_meta = post(proxy, CHAT, json=chat_body("more", metadata={"session_id": sid}), headers=bearer(AGENT_Y))
+    by_path = proxy.post(f"/s/{sid}{CHAT}", json=chat_body("more"), headers=bearer(AGENT_Y))
+    by_header = proxy.post(CHAT, json=chat_body("more"), headers={**bearer(AGENT_Y), "x-session-id": sid})
+    by_meta = proxy.post(CHAT, json=chat_body("more", metadata={"session_id": sid}), headers=bearer(AGENT_Y))
     assert [(r.status_code, r.json()) for r in (by_path, by_header, by_meta)] == [(403, expected)] * 3
     by_session = reward(proxy, AGENT_Y, session_id=sid)
     assert (by_session.status_code, by_session.json()) == (
@@ -158,26 +157,24 @@ def test_an_agent_key_cannot_chat_on_or_reward_another_agents_session(proxy):
     per_turn = reward(proxy, AGENT_Y, completion_id=completion, final=False)
     assert per_turn.status_code == 404
     assert per_turn.json() == not_found(f"no completion {completion!r}", "completion_id")
-    assert httpx.get(f"{proxy}/v1/sessions/{sid}", headers=bearer(AGENT_Y)).status_code == 404
+    assert proxy.get(f"/v1/sessions/{sid}", headers=bearer(AGENT_Y)).status_code == 404
     assert turns(proxy, sid) == [[completion]]
     # Agent keys read no trajectories and load no weights.
-    assert httpx.get(f"{proxy}/v1/trajectories", headers=bearer(AGENT_X)).status_code == 403
-    weights = post(proxy, "/v1/admin/weights", json={"path": "/x", "version": 1}, headers=bearer(AGENT_X))
+    assert proxy.get("/v1/trajectories", headers=bearer(AGENT_X)).status_code == 403
+    weights = proxy.post("/v1/admin/weights", json={"path": "/x", "version": 1}, headers=bearer(AGENT_X))
     assert weights.status_code == 403
     # The owner may.
-    assert httpx.get(f"{proxy}/v1/sessions/{sid}", headers=bearer(AGENT_X)).status_code == 200
+    assert proxy.get(f"/v1/sessions/{sid}", headers=bearer(AGENT_X)).status_code == 200
     rewarded = reward(proxy, AGENT_X, session_id=sid)
     assert rewarded.status_code == 200 and rewarded.json()["status"] == "rewarded"
     [trajectory] = [
-        t
-        for t in httpx.get(f"{proxy}/v1/trajectories", headers=ADMIN).json()["data"]
-        if t["session_id"] == sid
+        t for t in proxy.get("/v1/trajectories", headers=ADMIN).json()["data"] if t["session_id"] == sid
     ]
     assert trajectory["turns"][0]["completion_id"] == completion and trajectory["group_id"] == "task-7"
 
 
 def test_an_agents_inferred_session_is_never_joined_by_another_agent(proxy):
-    first = post(proxy, CHAT, json=chat_body("inferred-x"), headers=bearer(AGENT_X)).json()
+    first = proxy.post(CHAT, json=chat_body("inferred-x"), headers=bearer(AGENT_X)).json()
     continued = {
         "model": "tiny",
         "messages": [
@@ -186,9 +183,9 @@ def test_an_agents_inferred_session_is_never_joined_by_another_agent(proxy):
             {"role": "user", "content": "and then?"},
         ],
     }
-    by_y = post(proxy, CHAT, json=continued, headers=bearer(AGENT_Y)).json()
+    by_y = proxy.post(CHAT, json=continued, headers=bearer(AGENT_Y)).json()
     assert by_y["session_id"] != first["session_id"]
-    by_x = post(proxy, CHAT, json=continued, headers=bearer(AGENT_X)).json()
+    by_x = proxy.post(CHAT, json=continued, headers=bearer(AGENT_X)).json()
     assert by_x["session_id"] == first["session_id"]
 
 
@@ -197,24 +194,24 @@ def test_an_agents_inferred_session_is_never_joined_by_another_agent(proxy):
 
 def test_unknown_and_forbidden_sessions_answer_alike(proxy):
     hidden = create(proxy, ADMIN_KEY)["session_id"]
-    completion = post(proxy, f"/s/{hidden}{CHAT}", json=chat_body(), headers=ADMIN).json()["id"]
+    completion = proxy.post(f"/s/{hidden}{CHAT}", json=chat_body(), headers=ADMIN).json()["id"]
     closed = create(proxy, AGENT_X)["session_id"]
     assert reward(proxy, AGENT_X, session_id=closed).status_code == 200
     unknown_completion = "chatcmpl-0123456789abcdef0123456789abcdef"
 
     # Without a key, everything is 401 before any lookup.
     for path in (f"/v1/sessions/{hidden}", "/v1/sessions/no-such"):
-        response = httpx.get(proxy + path)
+        response = proxy.get(path)
         assert (response.status_code, response.json()) == (401, UNAUTHENTICATED)
     for body in ({"session_id": hidden}, {"session_id": "no-such"}, {"completion_id": completion}):
-        response = post(proxy, "/v1/rewards", json={**body, "reward": 1})
+        response = proxy.post("/v1/rewards", json={**body, "reward": 1})
         assert (response.status_code, response.json()) == (401, UNAUTHENTICATED)
 
     # With another principal's key, a hidden id answers as an unknown one.
     session_key = create(proxy, ADMIN_KEY)["api_key"]
     for key in (AGENT_Y, session_key):
         for sid in (hidden, "no-such"):
-            response = httpx.get(f"{proxy}/v1/sessions/{sid}", headers=bearer(key))
+            response = proxy.get(f"/v1/sessions/{sid}", headers=bearer(key))
             assert (response.status_code, response.json()) == (
                 404,
                 not_found(f"no open session {sid!r}", "session_id"),
@@ -241,20 +238,20 @@ def test_unknown_and_forbidden_sessions_answer_alike(proxy):
 
 
 def test_x_api_key_header_is_accepted(proxy):
-    assert httpx.get(f"{proxy}/v1/trajectories", headers={"x-api-key": ADMIN_KEY}).status_code == 200
-    minted = post(proxy, "/v1/sessions", headers={"x-api-key": AGENT_X}).json()
-    answered = post(proxy, CHAT, json=chat_body(), headers={"x-api-key": minted["api_key"]})
+    assert proxy.get("/v1/trajectories", headers={"x-api-key": ADMIN_KEY}).status_code == 200
+    minted = proxy.post("/v1/sessions", headers={"x-api-key": AGENT_X}).json()
+    answered = proxy.post(CHAT, json=chat_body(), headers={"x-api-key": minted["api_key"]})
     assert answered.status_code == 200 and answered.json()["session_id"] == minted["session_id"]
 
 
 def test_open_routes_need_no_key(proxy):
     for path in ("/health", "/v1/models", "/openapi.json", "/docs"):
-        assert httpx.get(proxy + path).status_code == 200, path
+        assert proxy.get(path).status_code == 200, path
 
 
 def test_keys_are_stored_hashed_and_the_store_is_private(proxy, db_path):
     minted = create(proxy, ADMIN_KEY)
-    answered = post(proxy, CHAT, json=chat_body(), headers=bearer(minted["api_key"]))
+    answered = proxy.post(CHAT, json=chat_body(), headers=bearer(minted["api_key"]))
     assert answered.status_code == 200
     by_agent = create(proxy, AGENT_X)
     files = [db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm")]
@@ -287,8 +284,8 @@ def test_a_store_with_plain_session_keys_is_migrated_and_its_keys_still_work(tmp
     old.commit()
     old.close()
     os.chmod(path, 0o644)
-    with inprocess_proxy(path, admin_key=ADMIN_KEY) as proxy:
-        answered = post(proxy, CHAT, json=chat_body(), headers=bearer("mp-sess-oldkey"))
+    with app_client(path, admin_key=ADMIN_KEY) as proxy:
+        answered = proxy.post(CHAT, json=chat_body(), headers=bearer("mp-sess-oldkey"))
         assert answered.status_code == 200 and answered.json()["session_id"] == "old"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     db = sqlite3.connect(path)
@@ -326,25 +323,23 @@ def test_keys_come_from_flags_files_and_the_environment(tmp_path):
     assert ADMIN_KEY not in repr(settings) and AGENT_X not in repr(settings)
 
     # The keys so loaded guard a running proxy.
-    with inprocess_proxy(tmp_path / "env.db", admin_key=admin, agent_keys=agents) as proxy:
-        assert post(proxy, "/v1/sessions").status_code == 401
-        assert post(proxy, "/v1/sessions", headers=bearer("env-b")).status_code == 201
-        assert httpx.get(f"{proxy}/v1/trajectories", headers=ADMIN).status_code == 200
-        assert httpx.get(f"{proxy}/v1/trajectories", headers=bearer("from-env")).status_code == 401
+    with app_client(tmp_path / "env.db", admin_key=admin, agent_keys=agents) as proxy:
+        assert proxy.post("/v1/sessions").status_code == 401
+        assert proxy.post("/v1/sessions", headers=bearer("env-b")).status_code == 201
+        assert proxy.get("/v1/trajectories", headers=ADMIN).status_code == 200
+        assert proxy.get("/v1/trajectories", headers=bearer("from-env")).status_code == 401
 
 
 def test_without_an_admin_key_every_route_stays_open(tmp_path):
-    with inprocess_proxy(tmp_path / "open.db") as proxy:
-        answered = post(proxy, f"/s/open{CHAT}", json=chat_body())
+    with app_client(tmp_path / "open.db") as proxy:
+        answered = proxy.post(f"/s/open{CHAT}", json=chat_body())
         assert answered.status_code == 200
-        assert httpx.get(f"{proxy}/v1/sessions/open").json()["segments"][0]["turns"] == [
-            answered.json()["id"]
-        ]
-        minted = post(proxy, "/v1/sessions").json()
-        by_key = post(proxy, CHAT, json=chat_body(), headers=bearer(minted["api_key"]))
+        assert proxy.get("/v1/sessions/open").json()["segments"][0]["turns"] == [answered.json()["id"]]
+        minted = proxy.post("/v1/sessions").json()
+        by_key = proxy.post(CHAT, json=chat_body(), headers=bearer(minted["api_key"]))
         assert by_key.json()["session_id"] == minted["session_id"]
         assert reward(proxy, "anything", session_id="open").status_code == 200
-        assert httpx.get(f"{proxy}/v1/trajectories").status_code == 200
+        assert proxy.get("/v1/trajectories").status_code == 200
 
 
 def sha256(text: str) -> str:

@@ -10,6 +10,7 @@ from openai import OpenAI
 
 from tests.conftest import app_proxy
 from tests.helpers import reply_as_message
+from tests.inprocess import loaded_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,8 @@ def test_two_concurrent_sessions_never_mix(proxy):
     for name in ("alice", "bob"):
         httpx.post(f"{proxy.url}/v1/rewards", json={"session_id": name, "reward": 1}).raise_for_status()
     records = httpx.get(f"{proxy.url}/v1/trajectories", params={"limit": 1000}).json()["data"]
-    from molt_proxy.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(str(proxy.model))
+    tokenizer = loaded_tokenizer(str(proxy.model))
     for name, other, ids in (("alice", "bob", alice), ("bob", "alice", bob)):
         # A random model's replies may not re-render verbatim, so a session can have several
         # segments; together they hold exactly its own turns and none of the other's text.

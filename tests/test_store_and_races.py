@@ -28,7 +28,14 @@ from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, RecordedReply, SessionStatus
 from molt_proxy.wire.openai import encode_reply
 from tests.helpers import write_checkpoint, write_old_store
-from tests.inprocess import chat_body, inprocess_proxy, mock_vllm, qwen3_tokenizer_dir, serve_app
+from tests.inprocess import (
+    chat_body,
+    inprocess_proxy,
+    loaded_tokenizer,
+    mock_vllm,
+    qwen3_tokenizer_dir,
+    serve_app,
+)
 
 TRIALS = 20
 
@@ -152,7 +159,7 @@ def _live_bytes(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.load(str(qwen3_tokenizer_dir()))
+    return loaded_tokenizer(str(qwen3_tokenizer_dir()))
 
 
 def test_finalized_sessions_keep_at_most_30_bytes_per_trajectory_token(tmp_path, tokenizer):

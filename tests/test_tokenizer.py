@@ -3,18 +3,32 @@ arguments must reach each template in the form it re-prints verbatim."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from devtools import tokenizer_source
 from molt_proxy.errors import BadRequest
 from molt_proxy.tokenizer import Tokenizer
+from tests.inprocess import loaded_tokenizer
 
 
 def load(arch: str) -> Tokenizer:
+    """The real `arch` tokenizer, loaded once per test process (a second of CPU each time) and
+    shared: a test that changes it (its template) takes `fresh(arch)` instead."""
+    return loaded_tokenizer(str(_source(arch)))
+
+
+def fresh(arch: str) -> Tokenizer:
+    """A tokenizer of its own, for a test to change."""
+    return Tokenizer.load(str(_source(arch)))
+
+
+def _source(arch: str) -> Path:
     source = tokenizer_source(arch)
     if source is None:
         pytest.skip(f"the real {arch} tokenizer is not in ../shared/tokenizers")
-    return Tokenizer.load(str(source))
+    return source
 
 
 def history(arguments: str, tool_calls_key: bool = True) -> list[dict]:

@@ -33,7 +33,7 @@ import pytest
 from molt_proxy.config import Settings
 from molt_proxy.tokenizer import Tokenizer
 from tests.helpers import write_checkpoint
-from tests.inprocess import inprocess_proxy, mock_vllm, post, qwen3_tokenizer_dir, serve_app
+from tests.inprocess import inprocess_proxy, loaded_tokenizer, mock_vllm, post, qwen3_tokenizer_dir, serve_app
 
 TOOLS = [
     {
@@ -83,7 +83,7 @@ def chat(
 def episode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Episode]:
     folder = tmp_path_factory.mktemp("viewer")
     model = qwen3_tokenizer_dir()
-    tokenizer = Tokenizer.load(str(model))
+    tokenizer = loaded_tokenizer(str(model))
     with mock_vllm(model) as upstream:
         settings = Settings(
             model=str(model), upstreams=[upstream], db_path=folder / "p.db", tool_call_parser="hermes"

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import select
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from rollout.harnesses.claude_code import ClaudeCode
 from rollout.harnesses.codex import Codex
 from rollout.tasks import Task
 from tests.helpers import assert_exact, trajectories
+from tests.rollout.timeouts import timing_out_when
 
 needs_claude = pytest.mark.skipif(
     not claude_code.installed(), reason="Claude Code's CLI is not installed (scripts/setup.sh installs it)"
@@ -123,9 +125,20 @@ def test_codex_writes_the_file_in_a_fresh_repository_and_its_episode_is_one_exac
 def silent_session() -> Iterator[MoltSession]:
     """A session on a server that accepts connections and never answers: a CLI pointed at it
     waits until it is killed."""
+    with silent_server() as (session, _):
+        yield session
+
+
+@contextmanager
+def silent_server() -> Iterator[tuple[MoltSession, Callable[[], bool]]]:
+    """`silent_session`'s session, and whether a client has connected to its server yet."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
-        yield MoltSession(url, "silent", "silent", "sk-silent", f"{url}/s/silent/v1")
+
+        def connected() -> bool:  # a connection waits in the backlog, never accepted
+            return bool(select.select([server], [], [], 0)[0])
+
+        yield MoltSession(url, "silent", "silent", "sk-silent", f"{url}/s/silent/v1"), connected
 
 
 def running_in(folder: Path) -> set[int]:
@@ -155,9 +168,11 @@ CLIS = [
 
 @pytest.mark.parametrize("adapter", CLIS)
 def test_a_timeout_kills_the_clis_whole_process_group(adapter, tmp_path):
-    with silent_session() as session, ThreadPoolExecutor(1) as pool:
-        run = attempt(tmp_path, session, timeout_s=5.0)
-        done = pool.submit(adapter().run, run)
+    """The attempt times out once the CLI has connected to send its first turn
+    (`tests/rollout/timeouts.py`), with everything it started by then running."""
+    with silent_server() as (session, connected), ThreadPoolExecutor(1) as pool:
+        run = attempt(tmp_path, session, timeout_s=120.0)
+        done = pool.submit(timing_out_when(adapter(), connected).run, run)
         seen: set[int] = set()
         while not done.done():  # every process it starts, while it runs
             seen |= running_in(run.workspace)

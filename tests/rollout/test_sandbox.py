@@ -25,11 +25,13 @@ import pytest
 
 from devtools import codex
 from integrations.session import MoltSession, create_session
+from rollout import harness
 from rollout.harness import Attempt, CommandHarness
 from rollout.harnesses.codex import Codex
 from rollout.sandbox import DEFAULT_IMAGE, RELAY, Bubblewrap, Container, Sandbox, SandboxUnavailable, sandbox
 from rollout.tasks import Task
 from tests.helpers import assert_exact, trajectories
+from tests.rollout.timeouts import timing_out_when
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 BWRAP_MISSING = Bubblewrap.unavailable()
@@ -321,28 +323,25 @@ def test_inside_bwrap_the_proxy_is_reachable_at_its_url_and_nothing_else_is(tmp_
 
 @needs_bwrap
 def test_a_timeout_kills_everything_inside_bwrap_even_what_left_the_process_group(tmp_path):
-    """`setsid` escapes the process group a timeout kills; not the sandbox's pid namespace."""
+    """`setsid` escapes the process group a timeout kills; not the sandbox's pid namespace. The
+    attempt times out as soon as the escaped process runs (`tests/rollout/timeouts.py`)."""
     marker = f"{secrets.randbelow(10**6)}.25"
-    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", sandbox("bwrap"), timeout_s=15)
-    outcomes = []
-    run = threading.Thread(
-        target=lambda: outcomes.append(Shell(f"setsid sleep {marker} & sleep 1000").run(job))
-    )
-    run.start()
-    wait_for(lambda: processes("sleep", marker), "the escaped process started")
-    run.join()
-    [outcome] = outcomes
+    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", sandbox("bwrap"), timeout_s=120)
+    escaping = Shell(f"setsid sleep {marker} & sleep 1000")
+    outcome = timing_out_when(escaping, lambda: processes("sleep", marker)).run(job)
     assert (outcome.exit_code, outcome.timed_out) == (None, True)
     wait_for(lambda: not processes("sleep", marker), "the escaped process ended")
 
 
-def test_without_a_sandbox_a_timeout_returns_though_an_escaped_child_holds_the_output(tmp_path):
+def test_without_a_sandbox_a_timeout_returns_though_an_escaped_child_holds_the_output(tmp_path, monkeypatch):
     """Unsandboxed, the `setsid` child outlives the kill and keeps the output pipes open: the
-    harness returns after the grace period anyway, its output closed unread."""
+    harness returns after the grace period anyway (here 0.5 s), its output closed unread."""
+    monkeypatch.setattr(harness, "KILLED_GRACE_S", 0.5)
     marker = f"{secrets.randbelow(10**6)}.5"
-    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", None, timeout_s=2)
+    job = attempt(tmp_path, "http://127.0.0.1:1024/s/late/v1", None, timeout_s=120)
     try:
-        outcome = Shell(f"setsid sleep {marker} & sleep 1000").run(job)
+        escaping = Shell(f"setsid sleep {marker} & sleep 1000")
+        outcome = timing_out_when(escaping, lambda: processes("sleep", marker)).run(job)
         assert (outcome.exit_code, outcome.timed_out, outcome.transcript) == (None, True, "")
         assert processes("sleep", marker)  # it escaped: only a sandbox ends it
     finally:
