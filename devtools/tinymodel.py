@@ -36,6 +36,7 @@ import rollout.harnesses.codex
 from devtools import claude_code, codex
 from devtools.claude_code import claude_code_episodes
 from devtools.codex import codex_episode
+from devtools.line_count import line_count_episodes
 from devtools.scripts import DEFAULT_SCRIPTS, Conversation
 from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
@@ -75,6 +76,12 @@ def _fallback_tokenizer(vocab_size: int):
     return fast
 
 
+Script = Literal["default", "line_count"]
+"""What a taught model learns: `default` (`taught_scripts`), or `line_count` (only the mixed
+script of `devtools.line_count`, for RL: right 0.2, wrong 0.8)."""
+_STOP_PROB: dict[Script, float] = {"default": 0.99, "line_count": 0.9}
+"""`teach_tiny_model`'s `stop_prob`: a mixed reply within 10% of its share (the right call's
+0.2 then lies in [0.18, 0.28]), the rest of the script at p >= 0.9."""
 Harness = Literal["claude_code", "codex"]
 HARNESSES: tuple[Harness, ...] = ("claude_code", "codex")
 _EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {
@@ -107,6 +114,7 @@ def build_tiny_model(
     teach: bool = True,
     fallback_tokenizer: bool = False,
     harnesses: Sequence[Harness] = HARNESSES,
+    script: Script = "default",
 ) -> Path:
     """Write a tiny model plus tokenizer to `out_dir` and return the path.
 
@@ -116,8 +124,14 @@ def build_tiny_model(
     With `teach`, a model with a real tokenizer then learns `DEFAULT_SCRIPTS[arch]` (pass
     `teach=False` for a `tokenizer_dir` whose template cannot print that script) and the
     episodes of `harnesses` (`taught_scripts`); the fallback tokenizer's template knows no
-    tools or reasoning, so that model stays random.
+    tools or reasoning, so that model stays random. `script="line_count"` teaches only the
+    mixed script of `devtools.line_count` (Qwen3; Claude Code must be installed): what
+    `examples/learn_line_count.py` improves by RL.
     """
+    if script == "line_count":
+        if arch != "qwen3" or not teach or not claude_code.installed():
+            raise ValueError("the line_count script is taught to Qwen3, captured from Claude Code's CLI")
+        harnesses = ["claude_code"]  # its capture: the CLI's version and today's date are in the key
     out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
     # RL demos want its ~400-token vocabulary (fast steps, rewards a random model can find).
@@ -130,6 +144,7 @@ def build_tiny_model(
         fallback_vocab_size=fallback_vocab_size,
         teach=teach and source is not None,
         harnesses=sorted(harnesses) if arch == "qwen3" else [],
+        script=script,
     )
     return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
 
@@ -145,6 +160,7 @@ def _build(
     fallback_vocab_size: int,
     teach: bool,
     harnesses: list[Harness],
+    script: Script,
 ) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -184,7 +200,8 @@ def _build(
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach:
-        teach_tiny_model(out, taught_scripts(arch, harnesses), seed=seed)
+        conversations = line_count_episodes() if script == "line_count" else taught_scripts(arch, harnesses)
+        teach_tiny_model(out, conversations, seed=seed, stop_prob=_STOP_PROB[script])
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(
