@@ -63,7 +63,9 @@ def instance(seed: int) -> tuple[dict[str, str], int]:
     """One task instance's files (3 to 5 `.txt` files; one holds `needle`) and that file's line
     count. Every line has 2 to 5 words, so its word count is never its line count."""
     rng = random.Random(seed)
-    names = rng.sample(["notes", "log", "todo", "draft", "list", "readme", "data", "story"], rng.randint(3, 5))
+    names = rng.sample(
+        ["notes", "log", "todo", "draft", "list", "readme", "data", "story"], rng.randint(3, 5)
+    )
     files, count = {}, 0
     needle = rng.randrange(len(names))
     for i, name in enumerate(names):

@@ -305,7 +305,9 @@ def _measured(model: Any, days: list[_Day]) -> list[float]:
     with torch.no_grad():
         probs = torch.stack([_step_logprobs(model, day)[1] / day.shares() for day in days])
     long_shares = days[0].shares()[-len(days[0].long) :].tolist() if days[0].long else []
-    whole = [_whole_prompt_prob(model, row) / share for row, share in zip(days[0].long, long_shares, strict=True)]
+    whole = [
+        _whole_prompt_prob(model, row) / share for row, share in zip(days[0].long, long_shares, strict=True)
+    ]
     return probs.amin(0).tolist() + whole
 
 
@@ -327,8 +329,9 @@ def teach_tiny_model(
     every day (and long prompts whole, once), prints the worst probability per reply, and
     raises below 0.95 (or `stop_prob`, if lower). A mixed script (`Conversation.weight`) is
     taught by weighting each reply's tokens with its weight, whose optimum is p = weight where
-    replies part ways; its probabilities are measured over their shares (`_Day.shares`). Training is full-batch without dropout, so
-    `seed` only pins torch's generator for anything random a model might add.
+    replies part ways; its probabilities are measured over their shares (`_Day.shares`).
+    Training is full-batch without dropout, so `seed` only pins torch's generator for anything
+    random a model might add.
 
     Runs on one CPU thread: float sums then do not depend on the machine's core count (same
     seed, same bytes), and a shared, busy machine does not stall it (two threads spinning

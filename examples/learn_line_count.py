@@ -27,42 +27,41 @@ from __future__ import annotations
 
 import argparse
 import io
+import signal
 import subprocess
-import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from devtools import build_tiny_model
 from devtools.line_count import ARGS, MODEL, tasks
 from molt_proxy.launcher import ProxyServer
-from rollout import run_rollout
 from rollout.harnesses.claude_code import ClaudeCode
 from rollout.results import Result
+from rollout.runner import run_rollout
 
 HELD_OUT = 1000
 """Held-out instances are seeds from here on; training instances count up from 0."""
 
 
 class Training(threading.Thread):
-    """Rounds of `molt-proxy rollout` on fresh task instances, `groups` tasks × `attempts`
-    each (one trainer step's groups), until told to stop (between rounds)."""
+    """`rounds` rounds of `molt-proxy rollout` on fresh task instances, `groups` tasks ×
+    `attempts` each: one trainer step's groups per round (a step whose groups all succeeded or
+    all failed changes nothing and is skipped: no new version)."""
 
     def __init__(self, url: str, out: Path, harness: ClaudeCode, args: argparse.Namespace):
         super().__init__(daemon=True)
         self.url, self.out, self.harness, self.args = url, out, harness, args
-        self.stop = threading.Event()
+        self.rounds_done = 0
         self.results: list[Result] = []
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            for round_ in range(10_000):
-                if self.stop.is_set():
-                    return
+            for round_ in range(self.args.rounds):
                 first = round_ * self.args.groups_per_step
                 self.results += run_rollout(
                     self.url,
@@ -74,25 +73,47 @@ class Training(threading.Thread):
                     timeout_s=self.args.timeout,
                     progress=io.StringIO(),
                 )
-        except BaseException as exc:  # the server stopped under it, or a real failure: reported
-            if not self.stop.is_set():
-                self.error = exc
+                self.rounds_done += 1
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
 
 
-def evaluate(url: str, out: Path, harness: ClaudeCode, args: argparse.Namespace, name: str) -> list[Result]:
-    """Every held-out instance, `--eval-attempts` times, as evaluation sessions."""
+@dataclass
+class Evaluation:
+    """One pass over the held-out instances, after `after` training rounds."""
+
+    after: int
+    results: list[Result]
+    versions: list[int]
+    """The weight version that wrote each attempt's call (its first sampled token)."""
+
+    @property
+    def success(self) -> float:
+        return sum(r.reward == 1.0 for r in self.results) / len(self.results)
+
+    @property
+    def label(self) -> str:
+        low, high = min(self.versions), max(self.versions)
+        return f"v{low}" if low == high else f"v{low}-{high}"
+
+
+def evaluate(url: str, out: Path, harness: ClaudeCode, args: argparse.Namespace, after: int) -> Evaluation:
+    """Every held-out instance, `--eval-attempts` times, as evaluation sessions (never trained
+    on); an attempt without a reward (the harness failed) counts as a failure."""
     held_out = tasks("held", range(HELD_OUT, HELD_OUT + args.held_out))
-    return run_rollout(
+    results = run_rollout(
         url,
         held_out,
         harness,
-        out / f"{name}.jsonl",
+        out / f"eval-after-{after}.jsonl",
         attempts=args.eval_attempts,
         concurrency=args.concurrency,
         timeout_s=args.timeout,
         eval=True,
         progress=io.StringIO(),
     )
+    versions = call_versions(url)
+    return Evaluation(after, results, [versions.get(r.session or "", -1) for r in results])
 
 
 def weight_version(url: str) -> int | None:
@@ -110,27 +131,25 @@ def call_versions(url: str) -> dict[str, int]:
     while data := httpx.get(f"{url}/v1/trajectories", params={"after": after, "limit": 1000}).json()["data"]:
         for record in data:
             if record["segment"] == 0:
-                found[record["session_id"]] = first_sampled_version(record)
+                mask, versions = record["loss_mask"], record["weight_versions"]
+                found[record["session_id"]] = next(v for v, m in zip(versions, mask, strict=True) if m)
         after = data[-1]["seq"]
     return found
-
-
-def first_sampled_version(record: dict[str, Any]) -> int:
-    sampled = [v for v, m in zip(record["weight_versions"], record["loss_mask"], strict=True) if m]
-    return sampled[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="runs/line-count")
-    parser.add_argument("--steps", type=int, default=6, help="trainer steps (weight versions) to reach")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="training rounds (a trainer step's groups each)"
+    )
     parser.add_argument("--attempts", type=int, default=8, help="attempts per training task (a group)")
     parser.add_argument("--groups-per-step", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=4, help="attempts at once")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--held-out", type=int, default=8, help="held-out task instances")
     parser.add_argument("--eval-attempts", type=int, default=2, help="attempts per held-out task")
-    parser.add_argument("--eval-every", type=int, default=3, help="evaluate every N weight versions")
+    parser.add_argument("--eval-every", type=int, default=3, help="evaluate after every N rounds")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per attempt")
     parser.add_argument("--seed", type=int, default=0)
     args, trainer_flags = parser.parse_known_args()
@@ -142,7 +161,7 @@ def main() -> None:
     taught_s = time.monotonic() - started
     flags = [
         "--served-model-name", MODEL, "--tool-call-parser", "hermes", "--max-model-len", "4096",
-        "--train", "--train-out", str(out / "train"), "--max-steps", str(args.steps + 100),
+        "--train", "--train-out", str(out / "train"), "--max-steps", "1000",
         "--lr", str(args.lr), "--train-only", "lm_head",
         "--group-size", str(args.attempts), "--groups-per-step", str(args.groups_per_step),
         "--group-timeout", str(args.timeout * 2), "--seed", str(args.seed), *trainer_flags,
@@ -152,83 +171,77 @@ def main() -> None:
     print(f"starting vLLM, molt-proxy and the Ray trainer (log: {log}) ...", flush=True)
     server.spawn()
     harness = ClaudeCode(ARGS, model=MODEL)
-    evaluations: list[Result] = []
     training = Training(server.url, out / "rollouts", harness, args)
+    evaluations: list[Evaluation] = []
+
+    def evaluated(after: int) -> None:
+        evaluations.append(evaluate(server.url, out / "rollouts", harness, args, after))
+        last = evaluations[-1]
+        elapsed = time.monotonic() - started
+        print(
+            f"[{elapsed:4.0f}s] after {after} rounds: held-out success {last.success:.2f} at {last.label}",
+            flush=True,
+        )
+
     try:
         server.wait(timeout_s=600)
         wait_for_trainer(server)
         ready_s = time.monotonic() - started
         print(f"watch the run: {server.url}/ui; evaluating the taught model first", flush=True)
-        due = 0
-        while True:
-            version = weight_version(server.url) or 0
-            if version >= due:
-                if version >= args.steps:
-                    training.stop.set()  # no new round: the last evaluation sees these weights
-                evaluations += evaluate(server.url, out / "rollouts", harness, args, f"eval-v{version}")
-                shown = summary(evaluations, call_versions(server.url))
-                print(f"[{time.monotonic() - started:5.0f}s] version {version}: {shown}", flush=True)
-                if version >= args.steps:
-                    break
-                if training.ident is None:
-                    training.start()  # after the taught model's evaluation
-                due = min(args.steps, version + args.eval_every)
+        evaluated(0)
+        training.start()  # the trainer steps and refreshes vLLM while these attempts run
+        for due in [*range(args.eval_every, args.rounds, args.eval_every), args.rounds]:
+            while training.rounds_done < due and training.is_alive() and server.returncode is None:
+                time.sleep(1.0)
             if training.error is not None or server.returncode is not None:
                 raise RuntimeError(f"training stopped: {training.error!r}, server {server.returncode}")
-            time.sleep(1.0)
-        training.stop.set()
-        versions = call_versions(server.url)
+            evaluated(due)  # while the next rounds run, but for the last
     finally:
-        training.stop.set()
-        server.stop()
-    report(evaluations, training.results, versions, time.monotonic() - started, taught_s, ready_s)
-
-
-def summary(results: list[Result], versions: dict[str, int]) -> str:
-    by_version = success_by_version(results, versions)
-    return ", ".join(f"v{v} {sum(s) / len(s):.2f} ({len(s)})" for v, s in by_version.items())
-
-
-def success_by_version(results: list[Result], versions: dict[str, int]) -> dict[int, list[float]]:
-    """Each evaluated attempt's success (reward 1), by the version that wrote its call; an
-    attempt that failed (no reward) counts as a failure."""
-    found: dict[int, list[float]] = {}
-    for result in results:
-        if result.session in versions:
-            found.setdefault(versions[result.session], []).append(float(result.reward == 1.0))
-    return dict(sorted(found.items()))
+        interrupt(server)
+    report(evaluations, training.results, time.monotonic() - started, taught_s, ready_s)
 
 
 def report(
-    evaluations: list[Result],
-    training: list[Result],
-    versions: dict[str, int],
-    total_s: float,
-    taught_s: float,
-    ready_s: float,
+    evaluations: list[Evaluation], training: list[Result], total_s: float, taught_s: float, ready_s: float
 ) -> None:
-    by_version = success_by_version(evaluations, versions)
-    print(f"\nheld-out success by weight version (attempts): {summary(evaluations, versions)}")
-    print("curve: " + " → ".join(f"{sum(s) / len(s):.2f}" for s in by_version.values()))
-    train_by_version = success_by_version(training, versions)
-    print(
-        "training attempts' success by version: "
-        + ", ".join(f"v{v} {sum(s) / len(s):.2f} ({len(s)})" for v, s in train_by_version.items())
-    )
-    columns = list(by_version)
-    print("\nper held-out task: successes / attempts at each evaluated version")
-    print(f"{'task':<12}" + "".join(f"{'v' + str(v):>8}" for v in columns))
-    for task in sorted({r.task for r in evaluations}, key=lambda t: int(t.rsplit("-", 1)[1])):
+    first, last = evaluations[0], evaluations[-1]
+    print("\nheld-out success after each evaluation (rounds: versions): " + ", ".join(
+        f"{e.after}: {e.label} {e.success:.2f}" for e in evaluations
+    ))  # fmt: skip
+    print("training rounds' success: " + " ".join(
+        f"{sum(r.reward == 1.0 for r in training[i : i + 8])}/{len(training[i : i + 8])}"
+        for i in range(0, len(training), 8)
+    ))  # fmt: skip
+    print("\nper held-out task: successes / attempts at each evaluation")
+    print(f"{'task':<10}" + "".join(f"{e.label:>9}" for e in evaluations))
+    for task in sorted({r.task for r in first.results}, key=lambda t: int(t.rsplit("-", 1)[1])):
         cells = []
-        for version in columns:
-            runs = [r for r in evaluations if r.task == task and versions.get(r.session or "") == version]
-            cells.append(f"{sum(r.reward == 1.0 for r in runs)}/{len(runs)}" if runs else "-")
-        print(f"{task:<12}" + "".join(f"{c:>8}" for c in cells))
-    errors = [r.error for r in evaluations + training if r.error]
-    print(f"\n{len(training)} training and {len(evaluations)} evaluation attempts, {len(errors)} errors {errors[:3]}")
-    print(f"wall time {total_s:.0f}s (model ready {taught_s:.0f}s, vLLM + trainer up at {ready_s:.0f}s)")
-    first, last = by_version[columns[0]], by_version[columns[-1]]
-    print(f"held-out success: {sum(first) / len(first):.2f} at v{columns[0]} → {sum(last) / len(last):.2f} at v{columns[-1]}")
+        for evaluation in evaluations:
+            runs = [r for r in evaluation.results if r.task == task]
+            cells.append(f"{sum(r.reward == 1.0 for r in runs)}/{len(runs)}")
+        print(f"{task:<10}" + "".join(f"{c:>9}" for c in cells))
+    errors = [r.error for e in evaluations for r in e.results if r.error] + [
+        r.error for r in training if r.error
+    ]
+    attempts = len(training) + sum(len(e.results) for e in evaluations)
+    print(f"\n{attempts} attempts ({len(training)} training), {len(errors)} errors {errors[:3]}")
+    print(
+        f"wall time {total_s:.0f}s (model ready at {taught_s:.0f}s, vLLM and the trainer at {ready_s:.0f}s)"
+    )
+    print(f"held-out success: {first.success:.2f} at {first.label} → {last.success:.2f} at {last.label}")
+
+
+def interrupt(server: ProxyServer) -> None:
+    """Stop `serve` as Ctrl-C does (SIGINT), so that it stops its vLLM and the trainer. Its
+    SIGTERM (`ProxyServer.stop`) meets Ray's own handler in the serve process, which ends the
+    process at once and leaves vLLM running (seen here); `stop` then reaps what is left."""
+    if server.process is not None and server.returncode is None:
+        server.process.send_signal(signal.SIGINT)
+        try:
+            server.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    server.stop()
 
 
 def wait_for_trainer(server: ProxyServer, timeout_s: float = 600) -> None:
@@ -242,4 +255,4 @@ def wait_for_trainer(server: ProxyServer, timeout_s: float = 600) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

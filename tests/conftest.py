@@ -214,7 +214,7 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 # when one live-trainer test is done). The fourth goes to the teaching worker.
 SLOW_FIRST = (
     "test_supervision.py",
-    "trainer/test_end_to_end.py", "rollout/test_learn_line_count.py",
+    "trainer/test_end_to_end.py",
     "trainer/test_live_vllm.py",
     "test_integrations.py",
     "test_llama_vllm.py",
