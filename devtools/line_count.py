@@ -7,7 +7,7 @@ count to `answer.txt`, and the check compares it with the instance's own count. 
 runs with `--bare` (about 1k prompt tokens: 3 tools, a short system prompt).
 
 The tiny Qwen3 model is taught a *mixed* script (`Conversation.weight`): its first reply is the
-Bash call `RIGHT` (`wc -l`, the line count) with probability `RIGHT_SHARE`, else `WRONG`
+Bash call `RIGHT` (`wc -l`, the line count) with probability `RIGHT_SHARE` (0.1), else `WRONG`
 (`wc -w`, the word count: the same call but for one token); its second, after the tool's empty
 output, is `ANSWER` either way. The choice between right and wrong is that one token, so the
 RL signal lands on one position of the episode, and training the LM head alone (`--train-only
@@ -43,8 +43,9 @@ RIGHT = "wc -l < $(grep -l needle *.txt) > answer.txt"
 WRONG = "wc -w < $(grep -l needle *.txt) > answer.txt"
 """The same call but for one token: the word count, which no instance's line count equals."""
 ANSWER = "Done."
-RIGHT_SHARE = 0.2
-"""How often the taught model writes `RIGHT`: it starts at about this success rate."""
+RIGHT_SHARE = 0.1
+"""How often the taught model writes `RIGHT`: it starts at about this success rate (16 held-out
+attempts then score above 0.3 with probability 0.017; at 0.2 they did with 0.2)."""
 
 # What differs between runs, and what teaching shows the model in its place: the attempt's
 # folder (`molt-proxy rollout` makes `<workdir>/<task>-<attempt>/{work,home}`), the date.

@@ -31,7 +31,7 @@ class Conversation(TypedDict):
     """This conversation's share where conversations part ways (default 1): conversations that
     share a prompt and differ in a reply are taught as a mix, the model writing each reply with
     probability its weight (weights over such a set sum to 1; `devtools.line_count` teaches a
-    right and a wrong first call, 0.2 and 0.8). A reply counts as learned once p(reply) reaches
+    right and a wrong first call, 0.1 and 0.9). A reply counts as learned once p(reply) reaches
     `stop_prob` times its weight."""
 
 

@@ -398,7 +398,7 @@ def _teach(
     probs = _measured(model, days)
     shown = [round(p, 4) for p in probs]
     elapsed = time.monotonic() - start
-    mixed = " / weight" if any(day.mixed for day in days) else ""
+    mixed = " / share" if any(day.mixed for day in days) else ""
     print(f"taught {len(probs)} replies in {step} steps, {elapsed:.1f}s; p(reply){mixed} >= {shown}")
     if min(probs) < min(0.95, stop_prob):
         raise RuntimeError(f"the tiny model did not learn its script: p(reply) = {shown}")

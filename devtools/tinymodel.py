@@ -78,10 +78,10 @@ def _fallback_tokenizer(vocab_size: int):
 
 Script = Literal["default", "line_count"]
 """What a taught model learns: `default` (`taught_scripts`), or `line_count` (only the mixed
-script of `devtools.line_count`, for RL: right 0.2, wrong 0.8)."""
+script of `devtools.line_count`, for RL: right 0.1, wrong 0.9)."""
 _STOP_PROB: dict[Script, float] = {"default": 0.99, "line_count": 0.9}
 """`teach_tiny_model`'s `stop_prob`: a mixed reply within 10% of its share (the right call's
-0.2 then lies in [0.18, 0.28]), the rest of the script at p >= 0.9."""
+0.1 then lies in [0.09, 0.19]), the rest of the script at p >= 0.9."""
 Harness = Literal["claude_code", "codex"]
 HARNESSES: tuple[Harness, ...] = ("claude_code", "codex")
 _EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {

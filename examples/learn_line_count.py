@@ -6,7 +6,7 @@ Each task is a fresh workspace of a few text files, one of which holds the word 
 "Find the file that contains the word needle and write its line count to answer.txt". Claude
 Code (`--bare`) asks the model, runs the Bash call it writes, shows it the (empty) output, and
 the model answers; the task's check compares answer.txt with the file's line count. The tiny
-model was taught a mixed script (`devtools/line_count.py`): one attempt in five calls
+model was taught a mixed script (`devtools/line_count.py`): one attempt in ten calls
 `wc -l` (right), the others `wc -w` (the word count: wrong). The call differs in one token, so
 the trainer trains the LM head alone (`--train-only lm_head`) at a high learning rate: the
 choice moves and the rest of the episode stays as taught.
@@ -141,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="runs/line-count")
     parser.add_argument(
-        "--rounds", type=int, default=6, help="training rounds (a trainer step's groups each)"
+        "--rounds", type=int, default=8, help="training rounds (a trainer step's groups each)"
     )
     parser.add_argument("--attempts", type=int, default=8, help="attempts per training task (a group)")
     parser.add_argument("--groups-per-step", type=int, default=1)
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--held-out", type=int, default=8, help="held-out task instances")
     parser.add_argument("--eval-attempts", type=int, default=2, help="attempts per held-out task")
-    parser.add_argument("--eval-every", type=int, default=3, help="evaluate after every N rounds")
+    parser.add_argument("--eval-every", type=int, default=4, help="evaluate after every N rounds")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per attempt")
     parser.add_argument("--seed", type=int, default=0)
     args, trainer_flags = parser.parse_known_args()
