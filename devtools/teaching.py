@@ -97,13 +97,15 @@ class _Day:
 
     def shares(self) -> torch.Tensor:
         """[rows] the probability each reply is taught to, in the order `_step_logprobs` gives
-        the replies' probabilities: its weight over the weights of all rows with its prompt (1
-        where no other reply follows the same prompt)."""
+        the replies' probabilities: its weight over the weights of the distinct replies that
+        follow its prompt (1 where no other reply does; a row that two conversations share
+        counts once)."""
         import torch
 
-        total: dict[tuple[int, ...], float] = {}
+        replies: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
         for row in self.rows:
-            total[tuple(row.prompt)] = total.get(tuple(row.prompt), 0.0) + row.weight
+            replies.setdefault(tuple(row.prompt), {}).setdefault(tuple(row.reply), row.weight)
+        total = {prompt: sum(weights.values()) for prompt, weights in replies.items()}
         short = [row for row in self.rows if len(row.prompt) <= _BATCHED]
         return torch.tensor([row.weight / total[tuple(row.prompt)] for row in short + self.long])
 
