@@ -27,6 +27,12 @@ class Conversation(TypedDict):
     vary: NotRequired[dict[str, list[str]]]
     """Text in the messages and tools that differs from run to run (a date, a folder), with what
     teaching shows in its place: on teaching day k, its k-th value (cyclically)."""
+    weight: NotRequired[float]
+    """This conversation's share where conversations part ways (default 1): conversations that
+    share a prompt and differ in a reply are taught as a mix, the model writing each reply with
+    probability its weight (weights over such a set sum to 1; `devtools.line_count` teaches a
+    right and a wrong first call, 0.1 and 0.9). A reply counts as learned once p(reply) reaches
+    `stop_prob` times its weight."""
 
 
 # --- Replies as the model writes them ---------------------------------------------------

@@ -56,6 +56,8 @@ class _Row:
 
     prompt: list[int]
     reply: list[int]
+    weight: float = 1.0
+    """Its conversation's `weight`: the probability it is taught to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,8 @@ class _Batch:
     """[N] the reply token ids."""
     order: torch.Tensor
     """[R] each row's place among the day's short rows (the order their replies are shown)."""
+    weights: torch.Tensor
+    """[N] the weight of each reply token's row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,32 @@ class _Day:
     """The rows with prompts of at most `_BATCHED` tokens."""
     long: list[_Row]
     """The others, taught one at a time."""
+
+    @property
+    def mixed(self) -> bool:
+        """Whether any row has a weight other than 1 (a mixed script)."""
+        return any(row.weight != 1.0 for row in self.rows)
+
+    def shares(self) -> torch.Tensor:
+        """[rows] the probability each reply is taught to, in the order `_step_logprobs` gives
+        the replies' probabilities: its weight over the weights of the distinct replies that
+        follow its prompt (1 where no other reply does; a row that two conversations share
+        counts once)."""
+        import torch
+
+        replies: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
+        for row in self.rows:
+            replies.setdefault(tuple(row.prompt), {}).setdefault(tuple(row.reply), row.weight)
+        total = {prompt: sum(weights.values()) for prompt, weights in replies.items()}
+        short = [row for row in self.rows if len(row.prompt) <= _BATCHED]
+        return torch.tensor([row.weight / total[tuple(row.prompt)] for row in short + self.long])
+
+    def token_weights(self) -> torch.Tensor:
+        """[tokens] the weights, in the order `_step_logprobs` gives the token log-probabilities."""
+        import torch
+
+        long = [torch.full((len(row.reply),), row.weight) for row in self.long]
+        return torch.cat([batch.weights for batch in self.batches] + long)
 
 
 def _varied(conv: Conversation, day: int) -> Conversation:
@@ -115,7 +145,7 @@ def _script_rows(tokenizer: Any, conversations: list[Conversation], date_string:
                     date_string=date_string,
                 )
                 reply = render_reply(message, conv["family"]) + tokenizer.eos_token
-                rows.append(_Row(encode(prompt), encode(reply)))
+                rows.append(_Row(encode(prompt), encode(reply), conv.get("weight", 1.0)))
     return rows
 
 
@@ -132,7 +162,8 @@ def _batch(rows: list[_Row], order: list[int], pad_id: int) -> _Batch:
         labels[i, len(row.prompt) : end] = torch.tensor(row.reply)
     # Position j predicts token j + 1.
     where, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)
-    return _Batch(ids, mask, where, cols, labels[where, cols + 1], torch.tensor(order))
+    weights = torch.tensor([row.weight for row in rows])
+    return _Batch(ids, mask, where, cols, labels[where, cols + 1], torch.tensor(order), weights[where])
 
 
 def _batches(rows: list[_Row], pad_id: int) -> list[_Batch]:
@@ -269,12 +300,17 @@ def _step_logprobs(
 
 
 def _measured(model: Any, days: list[_Day]) -> list[float]:
-    """Each reply's worst probability over the days; long prompts also whole, on the first day."""
+    """Each reply's worst probability over the days, over its share (`_Day.shares`: 1 where
+    the script is not mixed); long prompts also whole, on the first day."""
     import torch
 
     with torch.no_grad():
-        probs = torch.stack([_step_logprobs(model, day)[1] for day in days]).amin(0).tolist()
-    return probs + [_whole_prompt_prob(model, row) for row in days[0].long]
+        probs = torch.stack([_step_logprobs(model, day)[1] / day.shares() for day in days])
+    long_shares = days[0].shares()[-len(days[0].long) :].tolist() if days[0].long else []
+    whole = [
+        _whole_prompt_prob(model, row) / share for row, share in zip(days[0].long, long_shares, strict=True)
+    ]
+    return probs.amin(0).tolist() + whole
 
 
 def teach_tiny_model(
@@ -293,8 +329,11 @@ def teach_tiny_model(
     what its reply can depend on (`reach`). Stops once every reply has had probability >=
     `stop_prob` on each day in a row, or after `steps`; then measures the saved weights on
     every day (and long prompts whole, once), prints the worst probability per reply, and
-    raises below 0.95. Training is full-batch without dropout, so
-    `seed` only pins torch's generator for anything random a model might add.
+    raises below 0.95 (or `stop_prob`, if lower). A mixed script (`Conversation.weight`) is
+    taught by weighting each reply's tokens with its weight, whose optimum is p = weight where
+    replies part ways; its probabilities are measured over their shares (`_Day.shares`).
+    Training is full-batch without dropout, so `seed` only pins torch's generator for anything
+    random a model might add.
 
     Runs on one CPU thread: float sums then do not depend on the machine's core count (same
     seed, same bytes), and a shared, busy machine does not stall it (two threads spinning
@@ -343,21 +382,26 @@ def _teach(
     for step in range(steps):
         day = days[step % len(days)]
         token_logp, probs = _step_logprobs(model, day, vocab)
-        streak = streak + 1 if probs.min() >= stop_prob else 0
+        streak = streak + 1 if (probs / day.shares()).min() >= stop_prob else 0
         if streak == len(days) and vocab is not None:
             vocab, streak = None, 0
             token_logp, probs = _step_logprobs(model, day)
-            streak = 1 if probs.min() >= stop_prob else 0
+            streak = 1 if (probs / day.shares()).min() >= stop_prob else 0
         if streak == len(days):
             break
         optim.zero_grad()
-        (-token_logp.mean()).backward()
+        if day.mixed:
+            weights = day.token_weights()
+            (-(token_logp * weights).sum() / weights.sum()).backward()
+        else:
+            (-token_logp.mean()).backward()
         optim.step()
         warmup.step()
     probs = _measured(model, days)
     shown = [round(p, 4) for p in probs]
     elapsed = time.monotonic() - start
-    print(f"taught {len(probs)} replies in {step} steps, {elapsed:.1f}s; p(reply) >= {shown}")
-    if min(probs) < 0.95:
+    mixed = " / share" if any(day.mixed for day in days) else ""
+    print(f"taught {len(probs)} replies in {step} steps, {elapsed:.1f}s; p(reply){mixed} >= {shown}")
+    if min(probs) < min(0.95, stop_prob):
         raise RuntimeError(f"the tiny model did not learn its script: p(reply) = {shown}")
     model.save_pretrained(model_dir, safe_serialization=True)

@@ -112,6 +112,7 @@ def build_tiny_model(
     fallback_tokenizer: bool = False,
     harnesses: Sequence[Harness] = HARNESSES,
     scripts: Sequence[Conversation] | None = None,
+    stop_prob: float = 0.99,
 ) -> Path:
     """Write a tiny model plus tokenizer to `out_dir` and return the path.
 
@@ -121,7 +122,9 @@ def build_tiny_model(
     With `teach`, a model with a real tokenizer then learns `scripts` (by default
     `DEFAULT_SCRIPTS[arch]`; pass `teach=False` for a `tokenizer_dir` whose template cannot
     print that script) and the episodes of `harnesses` (`taught_scripts`); the fallback
-    tokenizer's template knows no tools or reasoning, so that model stays random.
+    tokenizer's template knows no tools or reasoning, so that model stays random. Teaching
+    stops once every reply has probability `stop_prob` (over its share in a mixed script,
+    `Conversation.weight`: `devtools.line_count`'s is taught to 0.9).
     """
     out = Path(out_dir)
     # `fallback_tokenizer`: the small self-trained BPE even where a real tokenizer is at hand;
@@ -136,6 +139,7 @@ def build_tiny_model(
         teach=teach and source is not None,
         harnesses=sorted(harnesses) if arch == "qwen3" else [],
         scripts=list(scripts) if scripts is not None else None,
+        stop_prob=stop_prob,
     )
     return _cached(out, _build_key(args, source), lambda folder: _build(folder, source, **args))
 
@@ -152,6 +156,7 @@ def _build(
     teach: bool,
     harnesses: list[Harness],
     scripts: list[Conversation] | None,
+    stop_prob: float,
 ) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -191,7 +196,7 @@ def _build(
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if teach:
-        teach_tiny_model(out, taught_scripts(arch, harnesses, scripts), seed=seed)
+        teach_tiny_model(out, taught_scripts(arch, harnesses, scripts), seed=seed, stop_prob=stop_prob)
     # vLLM reads the sampling defaults from here; keep them neutral so the proxy's
     # explicit fields are the only source of truth. (Written last: saving a model rewrites it.)
     (out / "generation_config.json").write_text(

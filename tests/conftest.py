@@ -267,7 +267,7 @@ SLOW_FIXTURES = {
 """Fixtures that build (or teach) a tiny model or boot vLLM: minutes on a fresh machine."""
 SLOW_FILES = {
     "test_launcher.py", "test_ray_auth.py", "trainer/test_workers.py", "trainer/test_lora.py",
-    "trainer/test_end_to_end.py",
+    "trainer/test_end_to_end.py", "rollout/test_learn_line_count.py",
 }  # fmt: skip
 """Files that start vLLM, Ray or a trainer themselves, without those fixtures."""
 SLOW_TESTS = {"test_tinymodel.py::test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it"}

@@ -145,6 +145,12 @@ class TrainerConfig:
     mean)."""
     lr: float = 1e-5
     """AdamW's learning rate."""
+    train_only: tuple[str, ...] = field(default=(), metadata=flag(metavar="NAME"))
+    """Train only the parameters whose names start with one of these (as `model.named_parameters()`
+    names them, e.g. `lm_head` or `model.layers.1.`); the rest stay frozen. Empty (the default):
+    every parameter. A few parameters take a far higher `lr` than the whole model does without
+    losing what it knew (`examples/learn_line_count.py` trains the LM head alone at 1e-2); vLLM
+    still gets the whole model at each refresh."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm before each optimizer step."""
     micro_batch_size: int = 16
@@ -247,6 +253,8 @@ class TrainerConfig:
                 f"drop_flat_groups needs a group-relative estimator: {self.estimator} learns from any group"
             )
         self._check_lora()
+        if self.train_only and self.num_workers > 1:
+            raise ValueError("train_only needs num_workers 1: FSDP shards every parameter alike")
         if self.trajectories is not None and self.more_proxy_urls:
             raise ValueError("trajectories (offline) follows no proxy: drop --proxy-url")
         if self.loss.kl_coef > 0 and self.num_workers > 1:
@@ -283,6 +291,8 @@ class TrainerConfig:
             )
         if self.num_workers > 1:
             raise ValueError("lora_rank needs num_workers 1: adapters are not sharded yet")
+        if self.train_only:
+            raise ValueError("train_only picks among the full weights; LoRA trains its adapter alone")
 
 
 def config_from_args(args: argparse.Namespace, proxy_url: str, model: str) -> TrainerConfig:

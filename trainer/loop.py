@@ -471,4 +471,5 @@ def _make_policy(config: TrainerConfig, device: str):
         max_grad_norm=config.max_grad_norm,
         reference=config.loss.kl_coef > 0,
         device=device,
+        train_only=config.train_only,
     )

@@ -212,6 +212,9 @@ class Policy:
     reference: also hold a frozen copy of the initial weights, the reference of a KL penalty
         (`LossConfig.kl_coef`); it stays the initial weights when a checkpoint is loaded.
     shared_prefix: compute the prefix rows share once (`trainer/prefix.py`); False: padded rows.
+    train_only: train only the parameters whose names start with one of these
+        (`TrainerConfig.train_only`); the others are frozen and AdamW holds no state for them.
+        Empty: every parameter.
     """
 
     def __init__(
@@ -226,6 +229,7 @@ class Policy:
         fsdp: bool = False,
         reference: bool = False,
         shared_prefix: bool = True,
+        train_only: Sequence[str] = (),
     ):
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -245,7 +249,7 @@ class Policy:
             frozen = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
             self.reference = frozen.to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+            _trained(self.model, train_only), lr=lr, betas=betas, weight_decay=weight_decay
         )
 
     def ppo_step(
@@ -458,6 +462,21 @@ def loss_plugin(spec: str, where: str) -> Callable[[LossInputs], tuple[Tensor, d
         return result
 
     return run
+
+
+def _trained(model: nn.Module, train_only: Sequence[str]) -> list[nn.Parameter]:
+    """The parameters to train: those named with one of the `train_only` prefixes (all where
+    it is empty); the others get `requires_grad` off, so no gradient reaches them or flows
+    through layers that feed only them."""
+    if not train_only:
+        return list(model.parameters())
+    named = dict(model.named_parameters())
+    unknown = [p for p in train_only if not any(name.startswith(p) for name in named)]
+    if unknown:
+        raise ValueError(f"train_only {unknown} names no parameter of the model (e.g. {next(iter(named))})")
+    for name, parameter in named.items():
+        parameter.requires_grad_(name.startswith(tuple(train_only)))
+    return [p for p in named.values() if p.requires_grad]
 
 
 def _shard(model: nn.Module) -> None:

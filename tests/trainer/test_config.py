@@ -64,3 +64,13 @@ def test_credit_flags_reach_the_config() -> None:
         TrainerConfig(proxy_url="u", model="m", out_dir="o", turn_discount=1.5)
     with pytest.raises(ValueError, match="num_workers 1"):
         TrainerConfig(proxy_url="u", model="m", out_dir="o", num_workers=2, loss=LossConfig(kl_coef=0.1))
+
+
+def test_train_only_flag_reaches_the_config_and_is_refused_where_it_cannot_apply() -> None:
+    args = parser().parse_args(["serve", "--model", "m", "--train-only", "lm_head", "model.norm"])
+    assert config_from_args(args, "u", "m").train_only == ("lm_head", "model.norm")
+    assert config_from_args(parser().parse_args(["serve", "--model", "m"]), "u", "m").train_only == ()
+    with pytest.raises(ValueError, match="FSDP"):
+        TrainerConfig(proxy_url="u", model="m", out_dir="o", num_workers=2, train_only=("lm_head",))
+    with pytest.raises(ValueError, match="LoRA"):
+        TrainerConfig(proxy_url="u", model="m", out_dir="o", lora_rank=4, train_only=("lm_head",))

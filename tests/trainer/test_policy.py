@@ -212,3 +212,27 @@ def test_a_second_ppo_epoch_clips_against_pi_old_of_the_step_start(model_dir: Pa
     expected = snapshot(by_hand)
     for name, tensor in snapshot(ppo).items():
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_train_only_moves_the_named_parameters_alone_and_still_moves_the_sampled_tokens(
+    model_dir: Path,
+) -> None:
+    """`train_only=("lm_head",)`: one step changes the LM head and nothing else (no gradient,
+    no AdamW state elsewhere), and the trained tokens still move with the advantage's sign."""
+    policy = Policy(model_dir, lr=1e-2, train_only=("lm_head",))
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    records = trajectories(policy.model, noise=0.0)[1:]
+    batch = collate(records, [1.0] * len(records))
+    logprob = sampled_logprob(policy, batch)
+    policy.train_step([batch], CURRENT, LOSS)
+    changed = {name for name, p in policy.model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed == {"lm_head.weight"}
+    assert [id(p) for group in policy.optimizer.param_groups for p in group["params"]] == [
+        id(policy.model.lm_head.weight)
+    ]
+    assert sampled_logprob(policy, batch) > logprob + 0.5
+
+
+def test_train_only_refuses_a_name_the_model_does_not_have(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="names no parameter"):
+        Policy(model_dir, train_only=("lm_haed",))
