@@ -25,6 +25,7 @@ import json
 from typing import Any
 
 import agentlightning as agl
+from agentlightning.utils.server_launcher import PythonServerLauncherArgs
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -37,7 +38,10 @@ async def serve(args: argparse.Namespace) -> None:
             "litellm_params": {"model": f"hosted_vllm/{args.model}", "api_base": f"{args.upstream}/v1"},
         }
     ]
-    proxy = agl.LLMProxy(port=args.port, model_list=model_list, store=store_server)  # type: ignore[arg-type]
+    # The example's `port=...`, as launcher arguments: the same launch (mode "mp", one worker) with
+    # a longer start-up wait than its 60 s, which a loaded 2-core machine overran.
+    launcher = PythonServerLauncherArgs(port=args.port, launch_mode="mp", startup_timeout=300.0)
+    proxy = agl.LLMProxy(launcher_args=launcher, model_list=model_list, store=store_server)  # type: ignore[arg-type]
     try:
         await proxy.start()
         await asyncio.sleep(float("inf"))

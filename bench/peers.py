@@ -76,9 +76,25 @@ class Peer:
         return self.venv / "bin" / "python"
 
 
-AGENTLIGHTNING = Peer("agentlightning", "agentlightning", "0.3.0", ("litellm[proxy]==1.80.11",))
-"""Its requirement `litellm[proxy]>=1.74` resolves to the newest LiteLLM (1.108.7 when this was
-written), which refuses to start without a master key; pinned so a rerun measures the same."""
+OTEL = ("api", "sdk", "exporter-otlp", "exporter-otlp-proto-http", "exporter-otlp-proto-grpc")
+OTEL += ("exporter-otlp-proto-common", "proto")
+AGENTLIGHTNING = Peer(
+    "agentlightning",
+    "agentlightning",
+    "0.3.0",
+    (
+        "litellm[proxy]==1.80.11",
+        *(f"opentelemetry-{name}==1.39.1" for name in OTEL),
+        "opentelemetry-semantic-conventions==0.60b1",
+        "opentelemetry-instrumentation==0.60b1",
+    ),
+)
+"""Agent Lightning 0.3.0 leaves LiteLLM and OpenTelemetry unpinned, and their newest releases
+here break it (measured): LiteLLM 1.108.7 records no request headers on its spans, so the proxy
+drops every span ("No headers found ... Cannot log to store"), and OpenTelemetry's exporter 1.45
+no longer reads the `_endpoint` the proxy points at its store, so spans go to localhost:4318.
+Pinned to releases of late 2025 (Agent Lightning 0.3.0 is of 2025-12-24), with which its
+store receives the spans."""
 RLLM = Peer("rllm", "rllm-model-gateway", "0.1.0")
 PEERS = (AGENTLIGHTNING, RLLM)
 
