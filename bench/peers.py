@@ -93,8 +93,8 @@ AGENTLIGHTNING = Peer(
 here break it (measured): LiteLLM 1.108.7 records no request headers on its spans, so the proxy
 drops every span ("No headers found ... Cannot log to store"), and OpenTelemetry's exporter 1.45
 no longer reads the `_endpoint` the proxy points at its store, so spans go to localhost:4318.
-Pinned to releases of late 2025 (Agent Lightning 0.3.0 is of 2025-12-24), with which its
-store receives the spans."""
+Pinned to older releases (Agent Lightning 0.3.0 was tagged 2025-12-24), with which its store
+receives the spans."""
 RLLM = Peer("rllm", "rllm-model-gateway", "0.1.0")
 PEERS = (AGENTLIGHTNING, RLLM)
 
