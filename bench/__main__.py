@@ -37,6 +37,7 @@ BENCHMARKS = {
     "constrained": "bench.constrained",
     "prefix": "bench.prefix",
     "restart": "bench.restart",
+    "peers": "bench.peers",
 }
 RESULTS = HOME / "bench" / "RESULTS.md"
 HEADER = """# molt-proxy benchmarks
@@ -46,7 +47,8 @@ block with `.venv/bin/python -m bench NAME` ({names}). Each block names its comm
 it ran, the machine and its load, and the baseline measured beside it in the same run. These
 machines are small and shared: read the ratios and medians, not single absolute times.
 LiteLLM runs from its own virtual environment (`bash bench/setup_litellm.sh`, see the
-`bench` extra in pyproject.toml).
+`bench` extra in pyproject.toml); `peers` installs Agent Lightning and rLLM's gateway, pinned,
+into venvs of their own on its first run.
 """
 
 
@@ -85,7 +87,7 @@ def snapshot(ref: str) -> tuple[Path, str]:
         tmp.rename(dest)
     shutil.rmtree(dest / "bench", ignore_errors=True)
     shutil.copytree(
-        ROOT / "bench", dest / "bench", ignore=shutil.ignore_patterns("out", ".litellm-venv", "__pycache__")
+        ROOT / "bench", dest / "bench", ignore=shutil.ignore_patterns("out", ".*-venv", "__pycache__")
     )
     shared = dest.parent / "shared"
     if not shared.exists() and (HOME.parent / "shared").exists():

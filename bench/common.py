@@ -136,10 +136,12 @@ class Child(ServerProcess):
         return super().start(timeout_s)
 
 
-def proxy_server(name: str, model: Path, upstream: str, db: Path, code: Path = ROOT) -> ProxyServer:
-    """`molt-proxy serve --upstream UPSTREAM` with its store at `db`, its output in
+def proxy_server(
+    name: str, model: Path, upstream: str, db: Path, code: Path = ROOT, args: Sequence[str] = ()
+) -> ProxyServer:
+    """`molt-proxy serve --upstream UPSTREAM ARGS` with its store at `db`, its output in
     bench/out/logs/NAME.log; `code`: the tree whose molt_proxy runs (another commit's, exported)."""
-    return ProxyServer(model, upstreams=[upstream], db=db, log_path=_fresh_log(name), cwd=code)
+    return ProxyServer(model, upstreams=[upstream], db=db, args=args, log_path=_fresh_log(name), cwd=code)
 
 
 def _fresh_log(name: str) -> Path:

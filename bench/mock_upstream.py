@@ -4,7 +4,9 @@ It answers the routes the front-ends call, with bodies shaped like vLLM 0.32's:
 `POST /inference/v1/generate` (molt-proxy: `choices[0].token_ids`, `logprobs.content[i]`,
 `weight_versions` spans, `finish_reason`; with `stream: true`, one SSE chunk per id; top
 logprobs in vLLM's order when `sampling_params.logprobs` asks for them, see `top_logprobs`),
-`POST /v1/chat/completions` (the pass-through and LiteLLM; streamed one word per chunk),
+`POST /v1/chat/completions` (the pass-through, LiteLLM and the RL peers; streamed one word
+per chunk; with `return_token_ids`, vLLM's `prompt_token_ids` and per-choice `token_ids`, and
+with `logprobs`, vLLM's logprobs, as Agent Lightning's proxy and rLLM's gateway ask),
 `GET /v1/models` and `GET /health`. Every answer is the same fixed reply, built
 once; aiohttp's server keeps the per-request cost to well under a millisecond. Tests that
 need other replies queue them with `POST /_script` (a JSON list of `{"token_ids": [...],
@@ -154,9 +156,34 @@ def build_app(
         }
         return web.json_response(reply)
 
+    def chat_logprobs() -> dict[str, Any]:
+        entries = [
+            {"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []} for i in reply_ids
+        ]
+        return {"content": entries}
+
+    def streamed_with_ids(body: dict[str, Any]) -> list[dict]:
+        """The word chunks with what the peers ask vLLM for (`return_token_ids`, `logprobs`): the
+        reply's ids spread over the chunks, the prompt's on the first, as vLLM streams them."""
+        ids, logprobs_asked = body.get("return_token_ids"), body.get("logprobs")
+        chunks = [json.loads(json.dumps(c)) for c in streamed_chat]
+        per = -(-len(reply_ids) // max(len(chunks) - 1, 1))
+        for n, chunk in enumerate(chunks):
+            piece = reply_ids[n * per : (n + 1) * per]
+            if ids:
+                chunk["choices"][0]["token_ids"] = piece
+            if logprobs_asked:
+                entries = chat_logprobs()["content"][n * per : (n + 1) * per]
+                chunk["choices"][0]["logprobs"] = {"content": entries}
+        if ids:
+            chunks[0]["prompt_token_ids"] = prompt_ids(body)
+        return chunks
+
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body.get("stream"):
+            if body.get("return_token_ids") or body.get("logprobs"):
+                return await sse(request, streamed_with_ids(body))
             return await sse(request, streamed_chat)
         reply = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -176,7 +203,17 @@ def build_app(
                 "total_tokens": 1 + len(reply_ids),
             },
         }
+        if body.get("return_token_ids"):  # vLLM's fields, which the RL peers ask for
+            reply["prompt_token_ids"] = prompt_ids(body)
+            reply["choices"][0]["token_ids"] = reply_ids
+        if body.get("logprobs"):
+            reply["choices"][0]["logprobs"] = chat_logprobs()
         return web.json_response(reply)
+
+    def prompt_ids(body: dict[str, Any]) -> list[int]:
+        """Stand-in prompt ids, one per 4 bytes of the messages (the mock renders nothing): the
+        size of what a peer receives and keeps per call."""
+        return list(range(len(json.dumps(body.get("messages", []))) // 4))
 
     async def list_models(_: web.Request) -> web.Response:
         return web.Response(text=models, content_type="application/json")

@@ -153,19 +153,12 @@ def streaming_supported(url: str) -> bool:
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
-def run(quick: bool = False) -> Section:
-    repeats, seconds = (1, 2.0) if quick else (3, 4.0)
-    concurrencies = (1, 64, 256)
-    section = Section(
-        "proxy",
-        "1a. Proxy overhead on an instant upstream",
-        "python -m bench proxy",
-        "the same load sent straight to the mock upstream (`direct`) and through bare "
-        "FastAPI/uvicorn pass-throughs that record nothing (`passthrough-httpx`, the floor the issue "
-        "names, and `passthrough-aiohttp`, the same with molt-proxy's HTTP client: the faster of the "
-        "two, so the ratios use it), measured in the same run, round-robin with molt-proxy and LiteLLM.",
-    )
-    model = tiny_model("qwen3")
+CONCURRENCIES = (1, 64, 256)
+
+
+def start_mock(model: Path, children: list[Child]) -> tuple[Child, list[int]]:
+    """The instant mock upstream replying `REPLY` (its ids: the second value), started and added
+    to `children`."""
     text, ids = mock_reply(model)
     mock_port = free_port()
     mock = Child(
@@ -174,78 +167,84 @@ def run(quick: bool = False) -> Section:
         + ["--reply-ids", ",".join(map(str, ids))],
         f"http://127.0.0.1:{mock_port}",
     )
-    children = [mock.start()]
+    children.append(mock.start())
+    return mock, ids
+
+
+def start_frontends(
+    mock: Child,
+    model: Path,
+    children: list[Child],
+    notes: list[str],
+    clients: tuple[str, ...] = ("httpx", "aiohttp"),
+) -> tuple[list[Frontend], str]:
+    """`direct`, the pass-throughs (one per HTTP client in `clients`), molt-proxy (and molt-proxy
+    as in `MOLT_BENCH_BEFORE`) and LiteLLM, each started in front of `mock` and added to
+    `children`; what could not start goes to `notes`. Also returns molt-proxy's URL."""
     frontends = [Frontend("direct", mock.url)]
-    notes = []
-    try:
-        for client in ("httpx", "aiohttp"):
-            port = free_port()
-            child = Child(
-                f"passthrough-{client}",
-                [PYTHON, "-m", "bench.passthrough", "--port", str(port), "--upstream", mock.url]
-                + ["--client", client],
-                f"http://127.0.0.1:{port}",
-            )
-            children.append(child.start())
-            frontends.append(Frontend(child.name, child.url, pid=child.process.pid))
-        db = OUT / "proxy-bench.db"
-        for path in OUT.glob("proxy-bench.db*"):
+    for client in clients:
+        port = free_port()
+        child = Child(
+            f"passthrough-{client}",
+            [PYTHON, "-m", "bench.passthrough", "--port", str(port), "--upstream", mock.url]
+            + ["--client", client],
+            f"http://127.0.0.1:{port}",
+        )
+        children.append(child.start())
+        frontends.append(Frontend(child.name, child.url, pid=child.process.pid))
+    db = OUT / "proxy-bench.db"
+    for path in OUT.glob("proxy-bench.db*"):
+        path.unlink()
+    molt = proxy_server("molt-proxy", model, mock.url, db)
+    children.append(molt.start())
+    frontends.append(Frontend("molt-proxy", molt.url, pid=molt.process.pid))
+    before = os.environ.get("MOLT_BENCH_BEFORE")
+    if before:
+        for path in OUT.glob("proxy-bench-before.db*"):
             path.unlink()
-        molt = proxy_server("molt-proxy", model, mock.url, db)
-        children.append(molt.start())
-        frontends.append(Frontend("molt-proxy", molt.url, pid=molt.process.pid))
-        before = os.environ.get("MOLT_BENCH_BEFORE")
-        if before:
-            for path in OUT.glob("proxy-bench-before.db*"):
-                path.unlink()
-            db_before = OUT / "proxy-bench-before.db"
-            old = proxy_server("molt-proxy-before", model, mock.url, db_before, Path(before))
-            children.append(old.start())
-            frontends.append(Frontend("molt-proxy (before)", old.url, pid=old.process.pid))
-        if LITELLM.exists():
-            key = "sk-" + secrets.token_hex(24)
-            try:
-                children.append(litellm_child(mock.url, key).start(health="/health/liveliness"))
-                frontends.append(Frontend("litellm", children[-1].url, key, children[-1].process.pid))
-            except (RuntimeError, TimeoutError) as exc:
-                notes.append(f"LiteLLM did not start here: {exc}")
-        else:
-            notes.append(
-                f"LiteLLM is not measured: {LITELLM} is missing (run `bash bench/setup_litellm.sh`)."
-            )
-        for frontend in frontends:
-            warm(frontend)
-        stream = streaming_supported(molt.url)
-        modes = [False, True] if stream else [False]
-        results: dict[tuple[str, int, bool], list[dict]] = {}
-        commits = []
-        for rep in range(repeats):
-            commits.append(commit_seconds(OUT))
-            order = frontends[rep % len(frontends) :] + frontends[: rep % len(frontends)]
-            for streaming in modes:
-                for concurrency in concurrencies:
-                    for frontend in order:
-                        flags = ["--stream"] if streaming else []
-                        result = loadgen(frontend, concurrency, seconds, *flags)
-                        results.setdefault((frontend.name, concurrency, streaming), []).append(result)
-                        print(
-                            f"  {frontend.name:>18} c={concurrency:<3} s={streaming:d} {result}", flush=True
-                        )
-    finally:
-        for child in reversed(children):
-            child.stop()
-    section.body.append(
-        f"Each cell: median of {repeats} runs of {seconds:.0f} s or more (after 2 s warm-up; a window "
-        "lasts until 2 × C requests completed in it, up to 30 s) by a closed-loop "
-        "load generator (`bench/loadgen.py`, its own process) of C concurrent sessions, 5 turns each "
-        "with growing history (system + user/assistant pairs), `max_tokens` 16, without and with "
-        "`stream: true`; the "
-        f"mock replies {len(ids)} tokens. Every front-end is one process. Added latency = "
-        "front-end − direct, medians of the same repetition. The load generator, the mock and the "
-        "front-end share the 2 cores, so at 64 and 256 sessions every front-end is CPU-bound and "
-        "its latency is mostly queueing: compare requests/s there."
-    )
-    for streaming, concurrency in [(m, c) for m in modes for c in concurrencies]:
+        db_before = OUT / "proxy-bench-before.db"
+        old = proxy_server("molt-proxy-before", model, mock.url, db_before, Path(before))
+        children.append(old.start())
+        frontends.append(Frontend("molt-proxy (before)", old.url, pid=old.process.pid))
+    if LITELLM.exists():
+        key = "sk-" + secrets.token_hex(24)
+        try:
+            children.append(litellm_child(mock.url, key).start(health="/health/liveliness"))
+            frontends.append(Frontend("litellm", children[-1].url, key, children[-1].process.pid))
+        except (RuntimeError, TimeoutError) as exc:
+            notes.append(f"LiteLLM did not start here: {exc}")
+    else:
+        notes.append(f"LiteLLM is not measured: {LITELLM} is missing (run `bash bench/setup_litellm.sh`).")
+    return frontends, molt.url
+
+
+Results = dict[tuple[str, int, bool], list[dict]]
+
+
+def measure(
+    frontends: list[Frontend], modes: list[bool], repeats: int, seconds: float, commits: list[float]
+) -> Results:
+    """Every front-end at every concurrency in every mode, `repeats` times, round-robin (the
+    order rotates each repetition); one SQLite commit probe per repetition into `commits`."""
+    results: Results = {}
+    for rep in range(repeats):
+        commits.append(commit_seconds(OUT))
+        order = frontends[rep % len(frontends) :] + frontends[: rep % len(frontends)]
+        for streaming in modes:
+            for concurrency in CONCURRENCIES:
+                for frontend in order:
+                    flags = ["--stream"] if streaming else []
+                    result = loadgen(frontend, concurrency, seconds, *flags)
+                    results.setdefault((frontend.name, concurrency, streaming), []).append(result)
+                    print(f"  {frontend.name:>18} c={concurrency:<3} s={streaming:d} {result}", flush=True)
+    return results
+
+
+def tables(frontends: list[Frontend], results: Results, modes: list[bool]) -> list[str]:
+    """One table per mode and concurrency: requests/s (and its ratio to the aiohttp
+    pass-through), latency, added latency and CPU per request of every front-end."""
+    out = []
+    for streaming, concurrency in [(m, c) for m in modes for c in CONCURRENCIES]:
         rows = []
         direct = results[("direct", concurrency, streaming)]
         floor = results.get(("passthrough-aiohttp", concurrency, streaming), direct)
@@ -278,51 +277,100 @@ def run(quick: bool = False) -> Section:
             "added p99 ms",
             "front-end CPU ms/request",
         ]
-        section.body.append(
+        out.append(
             f"**{'Streaming' if streaming else 'Non-streaming'}, {concurrency} concurrent session(s)**\n\n"
             + table(header + ["errors"], rows)
         )
-    if any(f.name == "litellm" for f in frontends):
-        for streaming in modes:
-            molt = {
-                c: median([r["rps"] for r in results[("molt-proxy", c, streaming)]]) for c in concurrencies
-            }
-            lite = {c: median([r["rps"] for r in results[("litellm", c, streaming)]]) for c in concurrencies}
-            section.body.append(
-                f"molt-proxy / LiteLLM requests/s, {'streaming' if streaming else 'non-streaming'}: "
-                + ", ".join(f"{c} sessions {ratio(molt[c], lite[c])}" for c in concurrencies)
-                + "."
-            )
-    if any(f.name == "molt-proxy (before)" for f in frontends):
-        for streaming in modes:
-            new, old = (
-                {c: median([r["rps"] for r in results[(name, c, streaming)]]) for c in concurrencies}
-                for name in ("molt-proxy", "molt-proxy (before)")
-            )
-            mode = "streaming" if streaming else "non-streaming"
-            section.body.append(
-                f"molt-proxy / molt-proxy (before) requests/s, {mode}: "
-                + ", ".join(f"{c} sessions {ratio(new[c], old[c])}" for c in concurrencies)
-                + "."
-            )
-    if stream:
-        notes.append(
-            "Streaming: latency is to the last byte of the reply (`data: [DONE]`); the mock streams "
-            "one SSE chunk per token to molt-proxy (vLLM's `/inference/v1/generate` shape) and one per "
-            "word on `/v1/chat/completions` to the others, which relay it."
+    return out
+
+
+def rps_ratios(results: Results, modes: list[bool], name: str, baseline: str) -> list[str]:
+    """`name` / `baseline` requests/s at each concurrency, one line per mode."""
+    lines = []
+    for streaming in modes:
+        new, old = (
+            {c: median([r["rps"] for r in results[(n, c, streaming)]]) for c in CONCURRENCIES}
+            for n in (name, baseline)
         )
+        mode = "streaming" if streaming else "non-streaming"
+        lines.append(
+            f"{name} / {baseline} requests/s, {mode}: "
+            + ", ".join(f"{c} sessions {ratio(new[c], old[c])}" for c in CONCURRENCIES)
+            + "."
+        )
+    return lines
+
+
+def run(quick: bool = False) -> Section:
+    repeats, seconds = (1, 2.0) if quick else (3, 4.0)
+    section = Section(
+        "proxy",
+        "1a. Proxy overhead on an instant upstream",
+        "python -m bench proxy",
+        "the same load sent straight to the mock upstream (`direct`) and through bare "
+        "FastAPI/uvicorn pass-throughs that record nothing (`passthrough-httpx`, the floor the issue "
+        "names, and `passthrough-aiohttp`, the same with molt-proxy's HTTP client: the faster of the "
+        "two, so the ratios use it), measured in the same run, round-robin with molt-proxy and LiteLLM.",
+    )
+    model = tiny_model("qwen3")
+    children: list[Child] = []
+    notes: list[str] = []
+    try:
+        mock, ids = start_mock(model, children)
+        frontends, molt_url = start_frontends(mock, model, children, notes)
+        for frontend in frontends:
+            warm(frontend)
+        stream = streaming_supported(molt_url)
+        modes = [False, True] if stream else [False]
+        commits: list[float] = []
+        results = measure(frontends, modes, repeats, seconds, commits)
+    finally:
+        for child in reversed(children):
+            child.stop()
+    section.body.append(
+        f"Each cell: median of {repeats} runs of {seconds:.0f} s or more (after 2 s warm-up; a window "
+        "lasts until 2 × C requests completed in it, up to 30 s) by a closed-loop "
+        "load generator (`bench/loadgen.py`, its own process) of C concurrent sessions, 5 turns each "
+        "with growing history (system + user/assistant pairs), `max_tokens` 16, without and with "
+        "`stream: true`; the "
+        f"mock replies {len(ids)} tokens. Every front-end is one process. Added latency = "
+        "front-end − direct, medians of the same repetition. The load generator, the mock and the "
+        "front-end share the 2 cores, so at 64 and 256 sessions every front-end is CPU-bound and "
+        "its latency is mostly queueing: compare requests/s there."
+    )
+    section.body += tables(frontends, results, modes)
+    if any(f.name == "litellm" for f in frontends):
+        section.body += [
+            line.replace("litellm requests/s", "LiteLLM requests/s")
+            for line in rps_ratios(results, modes, "molt-proxy", "litellm")
+        ]
+    if any(f.name == "molt-proxy (before)" for f in frontends):
+        section.body += rps_ratios(results, modes, "molt-proxy", "molt-proxy (before)")
+    if stream:
+        notes.append(STREAMING_NOTE)
     else:
         notes.append(
             "Streaming is not measured: molt-proxy on this checkout answers `stream: true` with 400 "
             "(support is being added in another change)."
         )
+    notes.append(durability_note(commits))
+    section.body.append("\n".join(f"- {note}" for note in notes))
+    return section
+
+
+STREAMING_NOTE = (
+    "Streaming: latency is to the last byte of the reply (`data: [DONE]`); the mock streams "
+    "one SSE chunk per token to molt-proxy (vLLM's `/inference/v1/generate` shape) and one per "
+    "word on `/v1/chat/completions` to the others, which relay it."
+)
+
+
+def durability_note(commits: list[float]) -> str:
     commit = median(commits)
-    notes.append(
+    return (
         f"Durability's floor: one SQLite commit of a 4 KiB row (WAL, `synchronous=FULL`) on the "
         f"store's disk took {ms(commit)} ms (median of {len(commits)} × 100, measured in this run). "
         "molt-proxy commits every turn before it answers, so one session's turns cannot exceed "
         f"{1 / commit:,.0f} req/s on this disk, whatever the CPU; concurrent sessions share commits "
         "(group commit). The pass-throughs keep nothing and never pay it."
     )
-    section.body.append("\n".join(f"- {note}" for note in notes))
-    return section
