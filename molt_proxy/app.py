@@ -1,6 +1,7 @@
 """The FastAPI app: the proxy (`proxy.py`) and its routes (`routes.py`) put together, the
-request body limit, and the single error → body mapping: OpenAI's, or Anthropic's on the
-Anthropic routes (`/v1/messages...`), where Anthropic's clients read errors."""
+request body limit, and the single error → body mapping: OpenAI's, Anthropic's on the
+Anthropic routes (`/v1/messages...`) and Google's on the Gemini routes (`/v1beta/...`), where
+those clients read errors."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from molt_proxy.errors import BadRequest, MoltError, NotFound, PayloadTooLarge, 
 from molt_proxy.proxy import Proxy
 from molt_proxy.replicas import Supervision, UpstreamClient
 from molt_proxy.routes import router
+from molt_proxy.routes_gemini import router as gemini_router
 from molt_proxy.routes_responses import router as responses_router
 from molt_proxy.telemetry import Instrument
 from molt_proxy.telemetry import router as telemetry_router
@@ -32,6 +34,9 @@ from molt_proxy.transfer import router as transfer_router
 from molt_proxy.viewer import install_docs
 from molt_proxy.viewer import router as viewer_router
 from molt_proxy.wire.anthropic_reply import error_body as anthropic_error_body
+from molt_proxy.wire.gemini_reply import error_body as gemini_error_body
+from molt_proxy.wire.gemini_reply import error_status as gemini_error_status
+from molt_proxy.wire.gemini_reply import http_error_body as gemini_http_error_body
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ def create_app(
     app.add_middleware(Instrument, telemetry=proxy.telemetry)  # outermost: it sees BodyLimit's 413s
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(gemini_router)
     app.include_router(telemetry_router)
     app.include_router(transfer_router)
     app.include_router(viewer_router)
@@ -105,10 +111,17 @@ def create_app(
 
 
 def _error(error: MoltError, path: str) -> tuple[int, dict[str, Any]]:
-    """The status and body of an error on `path`: Anthropic's shape on its routes."""
+    """The status and body of an error on `path`: Anthropic's shape on its routes, Google's on
+    the Gemini routes."""
     if "/v1/messages" in path:
         return error.anthropic_status or error.status, anthropic_error_body(error)
+    if _gemini(path):
+        return gemini_error_status(error), gemini_error_body(error)
     return error.status, error.body()
+
+
+def _gemini(path: str) -> bool:
+    return path.startswith("/v1beta/") or (path.startswith("/s/") and "/v1beta/" in path)
 
 
 def _respond(request: Request, error: MoltError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -138,6 +151,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         if "/v1/messages" in request.url.path:
             error = {"type": "error", "error": {"type": kind, "message": str(exc.detail)}}
             return JSONResponse(error, status_code=exc.status_code)
+        if _gemini(request.url.path):
+            return JSONResponse(
+                gemini_http_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code
+            )
         body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code)
 

@@ -2,7 +2,8 @@
 
 Without an admin key the proxy is open (it binds to loopback by default): every caller is the
 `OPEN` principal and may do everything. With one, every route that writes or reads training
-data needs a key, sent as `Authorization: Bearer <key>` or `x-api-key: <key>`:
+data needs a key, sent as `Authorization: Bearer <key>`, `x-api-key: <key>` or (Google's
+clients) `x-goog-api-key: <key>`:
 
     admin    everything
     agent    chat on, create, read and reward the sessions it created (`owner` = its key id)
@@ -77,11 +78,12 @@ def new_session_key() -> str:
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    """`Authorization: Bearer <key>` (OpenAI clients), else `x-api-key` (Anthropic clients)."""
+    """`Authorization: Bearer <key>` (OpenAI clients), else `x-api-key` (Anthropic clients),
+    else `x-goog-api-key` (Google's; the Gemini routes read `?key=` as this header)."""
     value = headers.get("authorization", "")
     if value[:7].lower() == "bearer " and value[7:].strip():
         return value[7:].strip()
-    return headers.get("x-api-key") or None
+    return headers.get("x-api-key") or headers.get("x-goog-api-key") or None
 
 
 class Keys:
@@ -101,7 +103,9 @@ class Keys:
             return OPEN
         key = presented_key(headers)
         if key is None:
-            raise Unauthorized("this route needs an API key (Authorization: Bearer <key> or x-api-key)")
+            raise Unauthorized(
+                "this route needs an API key (Authorization: Bearer <key>, x-api-key or x-goog-api-key)"
+            )
         digest = key_id(key)
         session_id = session_of(digest) if key.startswith(SESSION_KEY_PREFIX) else None
         if hmac.compare_digest(digest, self._admin):

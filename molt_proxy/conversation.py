@@ -13,6 +13,7 @@ It lives here, not in `types.py`, because it names vLLM's request type for the p
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,6 +68,20 @@ def echoed_call_ids(messages: list[dict[str, Any]]) -> frozenset[str]:
             if isinstance(tool_call, dict) and isinstance(tool_call.get("id"), str):
                 ids.add(tool_call["id"])
     return frozenset(ids)
+
+
+def with_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy for vLLM's model, which takes a call's arguments as a JSON string (as its own
+    Anthropic route writes them), of a message whose calls hold them as objects (Anthropic's
+    `tool_use.input`, Gemini's `functionCall.args`)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in calls
+    ]
+    return {**message, "tool_calls": calls}
 
 
 def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -> ChatCompletionRequest:

@@ -16,7 +16,11 @@
 Raise these anywhere; `app.py` maps them to the OpenAI error body once, or to Anthropic's
 (`{"type": "error", "error": {"type", "message"}}`) on the Anthropic routes: each error also
 knows its Anthropic type (`anthropic_type`), and an unreachable vLLM answers 529
-`overloaded_error` there, the status Anthropic's clients retry on.
+`overloaded_error` there, the status Anthropic's clients retry on. On the Gemini routes
+(`/v1beta/...`) the body is Google's (`{"error": {"code", "message", "status"}}`), with each
+error's Google status (`google_status`): INVALID_ARGUMENT (400; also a closed session,
+FAILED_PRECONDITION, and a body too large or of the wrong type, which Google answers 400),
+UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, INTERNAL (500), UNAVAILABLE (502, 503).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class MoltError(Exception):
     anthropic_type = "api_error"
     anthropic_status: int | None = None
     """The status on the Anthropic routes, where it differs from `status`."""
+    google_status = "INTERNAL"
+    google_code: int | None = None
+    """The status on the Gemini routes, where it differs from `status`."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -47,6 +54,7 @@ class BadRequest(MoltError):
     status = 400
     type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+    google_status = "INVALID_ARGUMENT"
 
 
 class ContextLengthExceeded(BadRequest):
@@ -57,6 +65,7 @@ class Unauthorized(MoltError):
     status = 401
     type = "authentication_error"
     anthropic_type = "authentication_error"
+    google_status = "UNAUTHENTICATED"
     code = "invalid_api_key"
 
 
@@ -64,18 +73,22 @@ class Forbidden(MoltError):
     status = 403
     type = "permission_error"
     anthropic_type = "permission_error"
+    google_status = "PERMISSION_DENIED"
 
 
 class NotFound(MoltError):
     status = 404
     type = "not_found_error"
     anthropic_type = "not_found_error"
+    google_status = "NOT_FOUND"
 
 
 class Conflict(MoltError):
     status = 409
     type = "conflict_error"
     anthropic_type = "invalid_request_error"
+    google_status = "FAILED_PRECONDITION"
+    google_code = 400
     anthropic_status = 400  # Anthropic's clients retry a 409; a closed session stays closed
 
 
@@ -83,6 +96,8 @@ class PayloadTooLarge(MoltError):
     status = 413
     type = "invalid_request_error"
     anthropic_type = "request_too_large"
+    google_status = "INVALID_ARGUMENT"
+    google_code = 400
     code = "request_too_large"
 
 
@@ -90,12 +105,15 @@ class UnsupportedMediaType(MoltError):
     status = 415
     type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+    google_status = "INVALID_ARGUMENT"
+    google_code = 400
     code = "unsupported_media_type"
 
 
 class UpstreamError(MoltError):
     status = 502
     type = "upstream_error"
+    google_status = "UNAVAILABLE"  # gRPC's reading of a 502; Google's clients retry it
 
 
 class UpstreamUnavailable(UpstreamError):
@@ -112,5 +130,6 @@ class StoreUnavailable(MoltError):
     status = 503
     type = "service_unavailable"
     code = "store_unavailable"
+    google_status = "UNAVAILABLE"
     anthropic_type = "overloaded_error"
     anthropic_status = 529

@@ -78,8 +78,8 @@ class EventStream(StreamingResponse):
     leaves an unfinished body iterator to the garbage collector, and a turn's events hold its
     claim on its session: a client that left must not keep its chain busy until a collection."""
 
-    def __init__(self, first: str, events: AsyncGenerator[str]):
-        super().__init__(_relay(first, events), media_type="text/event-stream")
+    def __init__(self, first: str, events: AsyncGenerator[str], media_type: str = "text/event-stream"):
+        super().__init__(_relay(first, events), media_type=media_type)
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,11 +153,11 @@ async def asked(request: Request) -> Asked:
     return Asked(proxy, request, principal, body, Work.of(body))
 
 
-async def streamed(lines: AsyncGenerator[str]) -> EventStream:
+async def streamed(lines: AsyncGenerator[str], media_type: str = "text/event-stream") -> EventStream:
     """A streamed turn's response. Its first line is awaited here: a turn that fails before vLLM
     answers (the render, the session, the context) fails with a plain error response."""
     first = await anext(lines)
-    return EventStream(first, lines)
+    return EventStream(first, lines, media_type)
 
 
 async def _chat(request: Request, path_session: str | None) -> Response:

@@ -29,7 +29,7 @@ AGENT_Y = "agent-y-0123456789abcdef"
 CHAT = "/v1/chat/completions"
 UNAUTHENTICATED = {
     "error": {
-        "message": "this route needs an API key (Authorization: Bearer <key> or x-api-key)",
+        "message": "this route needs an API key (Authorization: Bearer <key>, x-api-key or x-goog-api-key)",
         "type": "authentication_error",
         "param": None,
         "code": "invalid_api_key",

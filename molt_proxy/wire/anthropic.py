@@ -34,7 +34,6 @@ recognised exactly as chat completions' are. The message id is the completion id
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,13 @@ from vllm.entrypoints.anthropic.protocol import (
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from molt_proxy.conversation import Conversation, check_sampling, echoed_call_ids, sampling_fields
+from molt_proxy.conversation import (
+    Conversation,
+    check_sampling,
+    echoed_call_ids,
+    sampling_fields,
+    with_string_arguments,
+)
 from molt_proxy.errors import BadRequest
 from molt_proxy.ids import valid_session_id
 from molt_proxy.wire.jsonbody import decode_json_object
@@ -346,7 +351,7 @@ def _parser_request(
     route builds it; the parsers read its tools, tool choice, template kwargs and stops."""
     fields: dict[str, Any] = {
         "model": request.model,
-        "messages": [_with_string_arguments(m) for m in messages],
+        "messages": [with_string_arguments(m) for m in messages],
         "chat_template_kwargs": kwargs,
         "tools": tools,
         **_chat_tool_choice(request.tool_choice, tools),
@@ -368,19 +373,6 @@ def _parser_request(
         raise BadRequest(message[:300], param=exc.parameter) from None
     except (pydantic.ValidationError, ValueError, TypeError) as exc:
         raise BadRequest(f"invalid request: {type(exc).__name__}") from None
-
-
-def _with_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """A copy for vLLM's model, which takes a call's arguments as a JSON string (as its own
-    Anthropic route writes them)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return dict(message)
-    calls = [
-        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-        for c in calls
-    ]
-    return {**message, "tool_calls": calls}
 
 
 def metadata_session(metadata: Any) -> str | None:

@@ -1,0 +1,107 @@
+"""The Gemini API's routes: `POST /v1beta/models/{model}:generateContent`,
+`:streamGenerateContent` and `:countTokens` (under `/v1beta/` and `/s/<session>/v1beta/`), and
+`GET /v1beta/models` and `/v1beta/models/{model}`.
+
+A `generateContent` is the same turn as a chat completion (`completions.Turn`), decoded and
+encoded by `wire/gemini*.py`. Google's clients send their key as `x-goog-api-key` (read as any
+key is, `auth.presented_key`) or as `?key=`, which is read here as the header it stands for.
+`streamGenerateContent?alt=sse` streams `data:` chunks; without `alt=sse` the same chunks go
+out as the elements of one JSON array, streamed, as Google's API sends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from molt_proxy.errors import NotFound
+from molt_proxy.routes import _json, _proxy, asked, streamed
+from molt_proxy.wire.control import request_body
+from molt_proxy.wire.gemini import GENERATE_SCHEMA, decode_count_request, decode_generate_request
+from molt_proxy.wire.gemini_reply import count_body, encode_response, encode_stream, model_body
+
+router = APIRouter()
+
+_ACTIONS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+def _query_key(request: Request) -> None:
+    """`?key=` as the `x-goog-api-key` header it stands for, unless the request sends a key
+    header."""
+    key = request.query_params.get("key")
+    names = {name for name, _ in request.scope["headers"]}
+    if key and not names & {b"x-goog-api-key", b"x-api-key", b"authorization"}:
+        request.scope["headers"] = [*request.scope["headers"], (b"x-goog-api-key", key.encode())]
+        vars(request).pop("_headers", None)  # Starlette's cached reading of the old ones
+
+
+async def _array(lines: AsyncGenerator[str]) -> AsyncGenerator[str]:
+    """`data:` chunks as the elements of one JSON array (a stream without `alt=sse`)."""
+    first = True
+    async with aclosing(lines):
+        async for line in lines:
+            yield ("[" if first else ",\r\n") + line.removeprefix("data: ").rstrip("\n")
+            first = False
+    yield "]" if not first else "[]"
+
+
+async def _act(request: Request, target: str, path_session: str | None) -> Response:
+    model, _, action = target.rpartition(":")
+    if action not in _ACTIONS or not model:
+        served = ", ".join(f"{{model}}:{a}" for a in _ACTIONS)
+        raise NotFound(f"molt-proxy does not serve models/{target[:200]}; it serves models/{served}")
+    _query_key(request)
+    chat = await asked(request)
+    if action == "countTokens":
+        conversation = await chat.work.run(decode_count_request, chat.body, model)
+        turn = chat.turn(chat.caller(None, path_session), conversation)
+        return _json(count_body(await turn.count()))
+    call = await chat.work.run(decode_generate_request, chat.body, model)
+    turn = chat.turn(chat.caller(None, path_session), call.conversation)
+    tokenizer = chat.proxy.tokenizer
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    if action == "generateContent":
+        answer = await turn.whole()
+        return _json(encode_response(answer.reply, call.include_thoughts, count))
+    lines = encode_stream(turn.stream(), call.include_thoughts, count)
+    if request.query_params.get("alt") == "sse":
+        return await streamed(lines)
+    return await streamed(_array(lines), media_type="application/json")
+
+
+@router.post("/v1beta/models/{target}", response_model=None, openapi_extra=request_body(GENERATE_SCHEMA))
+async def generate(target: str, request: Request) -> Response:
+    """`{model}:generateContent`, `{model}:streamGenerateContent`, `{model}:countTokens`."""
+    return await _act(request, target, None)
+
+
+@router.post(
+    "/s/{session_id}/v1beta/models/{target}", response_model=None, openapi_extra=request_body(GENERATE_SCHEMA)
+)
+async def session_generate(session_id: str, target: str, request: Request) -> Response:
+    return await _act(request, target, session_id)
+
+
+async def _models(request: Request) -> list[dict[str, Any]]:
+    return [model_body(m["id"], m.get("max_model_len")) for m in await _proxy(request).models()]
+
+
+@router.get("/v1beta/models")
+@router.get("/s/{session_id}/v1beta/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"models": await _models(request)}
+
+
+@router.get("/v1beta/models/{model}")
+@router.get("/s/{session_id}/v1beta/models/{model}")
+async def model(model: str, request: Request) -> dict[str, Any]:
+    for described in await _models(request):
+        if described["name"] == f"models/{model.removeprefix('models/')}":
+            return described
+    raise NotFound(f"model {model[:200]!r} is not served here", param="model")
