@@ -133,12 +133,12 @@ def gemini_cli_episode() -> list[Conversation]:
     docstring); none where the CLI is not installed."""
     if not installed():
         return []
-    from molt_proxy.wire.gemini import decode_gemini_request
+    from molt_proxy.wire.gemini import decode_generate_request
 
     with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
         root = Path(folder).resolve()
         _, last = capture(root)
-    decoded = decode_gemini_request(json.dumps(last).encode(), MODEL).conversation
+    decoded = decode_generate_request(json.dumps(last).encode(), MODEL).conversation
     pgid = re.search(r"Process Group PGID: \d+", tool_output(last))
     assert pgid is not None, tool_output(last)
     vary = {
