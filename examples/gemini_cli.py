@@ -6,7 +6,7 @@ result: the RL episode of a coding harness that speaks only Google's Gemini API.
 
 It builds the tiny Qwen3 model (which learned this episode from what the installed CLI sends,
 `devtools/gemini_cli.py`), starts molt-proxy with vLLM on CPU (a 16k context: Gemini CLI's
-prompt is about 10k tokens: a 30k-character system prompt and 15 tools), and runs
+prompt is about 10.5k tokens: a 30k-character system prompt and 15 tools), and runs
 `gemini -p "Write hi to hi.txt"` in a temporary folder with `GOOGLE_GEMINI_BASE_URL` naming a
 session (`/s/<session>`; its requests go to `/s/<session>/v1beta/models/tiny:streamGenerateContent`).
 The model calls `run_shell_command` (`echo hi | tee hi.txt`), Gemini CLI runs it and sends the
