@@ -147,6 +147,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404 and request.scope.get("endpoint") is None:  # no route matched
             return _respond(request, _unserved(request))
+        if exc.status_code == 405 and _gemini(request.url.path):  # Google's: no such method
+            return _respond(request, _unserved(request))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         if "/v1/messages" in request.url.path:
             error = {"type": "error", "error": {"type": kind, "message": str(exc.detail)}}

@@ -25,8 +25,6 @@ from molt_proxy.wire.gemini_reply import count_body, encode_response, encode_str
 
 router = APIRouter()
 
-_ACTIONS = ("generateContent", "streamGenerateContent", "countTokens")
-
 
 def _query_key(request: Request) -> None:
     """`?key=` as the `x-goog-api-key` header it stands for, unless the request sends a key
@@ -48,17 +46,10 @@ async def _array(lines: AsyncGenerator[str]) -> AsyncGenerator[str]:
     yield "]" if not first else "[]"
 
 
-async def _act(request: Request, target: str, path_session: str | None) -> Response:
-    model, _, action = target.rpartition(":")
-    if action not in _ACTIONS or not model:
-        served = ", ".join(f"{{model}}:{a}" for a in _ACTIONS)
-        raise NotFound(f"molt-proxy does not serve models/{target[:200]}; it serves models/{served}")
+async def _generate(request: Request, model: str, path_session: str | None, stream: bool) -> Response:
+    """`generateContent` / `streamGenerateContent`: the turn, in Google's shapes."""
     _query_key(request)
     chat = await asked(request)
-    if action == "countTokens":
-        conversation = await chat.work.run(decode_count_request, chat.body, model)
-        turn = chat.turn(chat.caller(None, path_session), conversation)
-        return _json(count_body(await turn.count()))
     call = await chat.work.run(decode_generate_request, chat.body, model)
     turn = chat.turn(chat.caller(None, path_session), call.conversation)
     tokenizer = chat.proxy.tokenizer
@@ -66,7 +57,7 @@ async def _act(request: Request, target: str, path_session: str | None) -> Respo
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
 
-    if action == "generateContent":
+    if not stream:
         answer = await turn.whole()
         return _json(encode_response(answer.reply, call.include_thoughts, count))
     lines = encode_stream(turn.stream(), call.include_thoughts, count)
@@ -75,17 +66,50 @@ async def _act(request: Request, target: str, path_session: str | None) -> Respo
     return await streamed(_array(lines), media_type="application/json")
 
 
-@router.post("/v1beta/models/{target}", response_model=None, openapi_extra=request_body(GENERATE_SCHEMA))
-async def generate(target: str, request: Request) -> Response:
-    """`{model}:generateContent`, `{model}:streamGenerateContent`, `{model}:countTokens`."""
-    return await _act(request, target, None)
+async def _count(request: Request, model: str, path_session: str | None) -> Response:
+    """`countTokens`: the exact number of prompt ids the proxy would send."""
+    _query_key(request)
+    chat = await asked(request)
+    conversation = await chat.work.run(decode_count_request, chat.body, model)
+    turn = chat.turn(chat.caller(None, path_session), conversation)
+    return _json(count_body(await turn.count()))
+
+
+_BODY = request_body(GENERATE_SCHEMA)
+
+
+@router.post("/v1beta/models/{model}:generateContent", response_model=None, openapi_extra=_BODY)
+async def generate_content(model: str, request: Request) -> Response:
+    return await _generate(request, model, None, stream=False)
 
 
 @router.post(
-    "/s/{session_id}/v1beta/models/{target}", response_model=None, openapi_extra=request_body(GENERATE_SCHEMA)
+    "/s/{session_id}/v1beta/models/{model}:generateContent", response_model=None, openapi_extra=_BODY
 )
-async def session_generate(session_id: str, target: str, request: Request) -> Response:
-    return await _act(request, target, session_id)
+async def session_generate_content(session_id: str, model: str, request: Request) -> Response:
+    return await _generate(request, model, session_id, stream=False)
+
+
+@router.post("/v1beta/models/{model}:streamGenerateContent", response_model=None, openapi_extra=_BODY)
+async def stream_generate_content(model: str, request: Request) -> Response:
+    return await _generate(request, model, None, stream=True)
+
+
+@router.post(
+    "/s/{session_id}/v1beta/models/{model}:streamGenerateContent", response_model=None, openapi_extra=_BODY
+)
+async def session_stream_generate_content(session_id: str, model: str, request: Request) -> Response:
+    return await _generate(request, model, session_id, stream=True)
+
+
+@router.post("/v1beta/models/{model}:countTokens", response_model=None, openapi_extra=_BODY)
+async def count_tokens(model: str, request: Request) -> Response:
+    return await _count(request, model, None)
+
+
+@router.post("/s/{session_id}/v1beta/models/{model}:countTokens", response_model=None, openapi_extra=_BODY)
+async def session_count_tokens(session_id: str, model: str, request: Request) -> Response:
+    return await _count(request, model, session_id)
 
 
 async def _models(request: Request) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Schemathesis against the served OpenAPI: no input gives a 5xx, every 4xx has the OpenAI
-error body (issue 9), or Anthropic's on its routes (issue 12); the Responses API's routes
-(issue 13) have OpenAI's.
+error body (issue 9), or Anthropic's on its routes (issue 12), or Google's on the Gemini
+routes (issue 30); the Responses API's routes (issue 13) have OpenAI's.
 
 The POST routes declare their request-body schemas (chat, sessions, rewards, weights), so
 schemathesis generates bodies that follow them and, in its negative mode, bodies that break
@@ -26,7 +26,8 @@ EXAMPLES = 30
 ANTHROPIC_EXAMPLES = 15
 """The Anthropic routes (four operations over one decoder, whose rules `tests/test_anthropic.py`
 covers case by case) get fewer, to keep this test's time small; so do the Responses API's
-(six operations over one decoder, `tests/test_responses.py`)."""
+(six operations over one decoder, `tests/test_responses.py`) and the Gemini API's (ten over
+one decoder, `tests/test_gemini.py`)."""
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,16 @@ OPERATIONS = [
     ("POST", "/v1/admin/advantages"),
     ("GET", "/v1/models"),
     ("GET", "/s/{session_id}/v1/models"),
+    ("POST", "/v1beta/models/{model}:generateContent"),
+    ("POST", "/s/{session_id}/v1beta/models/{model}:generateContent"),
+    ("POST", "/v1beta/models/{model}:streamGenerateContent"),
+    ("POST", "/s/{session_id}/v1beta/models/{model}:streamGenerateContent"),
+    ("POST", "/v1beta/models/{model}:countTokens"),
+    ("POST", "/s/{session_id}/v1beta/models/{model}:countTokens"),
+    ("GET", "/v1beta/models"),
+    ("GET", "/s/{session_id}/v1beta/models"),
+    ("GET", "/v1beta/models/{model}"),
+    ("GET", "/s/{session_id}/v1beta/models/{model}"),
     ("GET", "/health"),
 ]
 """Every operation served, each fuzzed on its own (a new route must be added here)."""
@@ -66,6 +77,15 @@ BREAKABLE = [(method, path) for method, path in OPERATIONS if method == "POST" o
 CASES = [(*op, GenerationMode.POSITIVE) for op in OPERATIONS] + [
     (*op, GenerationMode.NEGATIVE) for op in BREAKABLE
 ]
+
+
+GOOGLE_STATUSES = {
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "NOT_FOUND",
+}
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +108,16 @@ def test_every_served_operation_is_fuzzed_and_every_post_declares_its_body(serve
 
 def openai_error_body(response: schemathesis.Response, path: str) -> None:
     """The check: a 4xx carries `{"error": {"message", "type", "param", "code"}}`, or on the
-    Anthropic routes Anthropic's `{"type": "error", "error": {"type", "message"}}`."""
+    Anthropic routes Anthropic's `{"type": "error", "error": {"type", "message"}}`, or on the
+    Gemini routes Google's `{"error": {"code", "message", "status"}}`."""
     if not 400 <= response.status_code < 500:
         return
     body = response.json()
+    if "/v1beta/" in path:
+        assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "status"}, body
+        assert body["error"]["code"] == response.status_code and body["error"]["message"], body
+        assert body["error"]["status"] in GOOGLE_STATUSES, body
+        return
     if "/v1/messages" in path:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert body["error"]["message"] and body["error"]["type"], body
@@ -109,7 +135,8 @@ def openai_error_body(response: schemathesis.Response, path: str) -> None:
 def test_no_input_gives_a_5xx_and_every_4xx_has_the_openai_error_body(served_openapi, method, path, mode):
     operation = served_openapi[path][method]
 
-    examples = ANTHROPIC_EXAMPLES if "/v1/messages" in path or "/v1/responses" in path else EXAMPLES
+    fewer = ("/v1/messages", "/v1/responses", "/v1beta/")
+    examples = ANTHROPIC_EXAMPLES if any(part in path for part in fewer) else EXAMPLES
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -468,7 +468,7 @@ def test_every_error_has_googles_shape(proxy):
         httpx.post(proxy + "/v1beta/models/tiny:embedContent", json=HI), 404, "NOT_FOUND"
     )
     google_error(httpx.post(proxy + "/v1beta/tunedModels/x:generateContent", json=HI), 404, "NOT_FOUND")
-    google_error(httpx.delete(proxy + "/v1beta/models/tiny"), 405, "NOT_FOUND")
+    google_error(httpx.delete(proxy + "/v1beta/models/tiny"), 404, "NOT_FOUND")
     big = {"contents": [{"parts": [{"text": "x" * 300_000}]}]}
     assert "over" in google_error(httpx.post(proxy + GENERATE, json=big), 400, "INVALID_ARGUMENT")
     plain = httpx.post(proxy + GENERATE, content=json.dumps(HI), headers={"content-type": "text/plain"})
@@ -540,3 +540,31 @@ def test_a_title_request_is_a_side_request_on_the_gemini_route_too(proxy):
     side = [t for t in listed if t["session_id"].startswith("side-") and t["info"] == {"rule": rule}]
     assert len(side) >= 2 and all(t["status"] == "side" for t in side)
     assert httpx.get(f"{proxy}/v1/sessions/g-main").status_code == 404  # never opened
+
+
+# -- Google's own SDK as the client ------------------------------------------------------------
+
+
+def test_the_google_genai_sdk_generates_streams_counts_and_lists_through_the_proxy(proxy):
+    from google import genai
+    from google.genai import types
+
+    client = genai.Client(api_key="-", http_options=types.HttpOptions(base_url=f"{proxy}/s/g-sdk"))
+    config = types.GenerateContentConfig(temperature=0, system_instruction="Be brief.")
+    reply = client.models.generate_content(model="tiny", contents="hi", config=config)
+    assert reply.text == REPLY_TEXT and reply.candidates[0].finish_reason == types.FinishReason.STOP
+    plain = client.models.generate_content(model="tiny", contents="hi")
+    counted = client.models.count_tokens(model="tiny", contents="hi").total_tokens
+    assert counted == plain.usage_metadata.prompt_token_count < reply.usage_metadata.prompt_token_count
+    # on a session of its own: the same body again on the same session is a retry, replayed whole
+    streaming = genai.Client(api_key="-", http_options=types.HttpOptions(base_url=f"{proxy}/s/g-sdk-stream"))
+    pieces = list(streaming.models.generate_content_stream(model="tiny", contents="hi", config=config))
+    assert len(pieces) > 2 and "".join(p.text or "" for p in pieces) == REPLY_TEXT
+    assert pieces[-1].usage_metadata.total_token_count == reply.usage_metadata.total_token_count
+    assert [m.name for m in client.models.list()] == ["models/tiny"]
+    assert client.models.get(model="tiny").input_token_limit == MAX_MODEL_LEN
+    with pytest.raises(genai.errors.ClientError) as refused:
+        client.models.generate_content(
+            model="tiny", contents="hi", config=types.GenerateContentConfig(candidate_count=2)
+        )
+    assert (refused.value.code, refused.value.status) == (400, "INVALID_ARGUMENT")
