@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from devtools.gemini_cli import ANSWER, COMMAND, MODEL, TASK, installed, recording_server, tool_output
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.wire.gemini import decode_generate_request
-from tests.helpers import assert_exact, trajectories
+from tests.helpers import forward_logits, trajectories
+from trainer.sampling import TokenSampling, processed_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gemini_cli import solve  # noqa: E402  (the example, as it is)
@@ -73,4 +76,33 @@ def test_the_example_runs_its_command_in_one_exact_segment_and_sends_nothing_els
     # Sampled at Gemini CLI's T = 1 after a process group id the model never saw: the words may
     # stray past the start, as Codex's do after its chunk id.
     assert answer.decode().startswith(ANSWER.split(" says")[0]) and answer.endswith(b"<|im_end|>")
-    assert_exact(record, qwen3_model)
+    # Gemini CLI samples with top-p and top-k: vLLM records the logprobs of the truncated
+    # distribution it drew from (`--logprobs-mode processed_logprobs`), which `assert_exact`'s
+    # plain forward does not make (a token alone in the nucleus: 0.0 recorded, -1.2e-4 plain).
+    assert [{k: turn["sampling"][k] for k in SAMPLED} for turn in record["turns"]] == [SAMPLED] * 2
+    assert_exact_processed(record, qwen3_model)
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 0.95, "top_k": 64}
+"""The sampling of Gemini CLI's `generationConfig`, as each turn records it (the rest default)."""
+
+
+def assert_exact_processed(record: dict[str, Any], model: Path, tolerance: float = 1e-4) -> None:
+    """`assert_exact`, each sampled token's logprob compared with the float32 forward's
+    processed as vLLM processed it (temperature, top-k, top-p: `trainer.sampling`)."""
+    sampled = [p for t in record["turns"] for p in range(t["completion_start"], t["completion_end"])]
+    assert [i for i, m in enumerate(record["loss_mask"]) if m] == sampled
+    logits = forward_logits(model, record["token_ids"], sampled)
+    n = len(sampled)
+    sampling = TokenSampling(
+        temperature=torch.full((1, n), SAMPLED["temperature"]),
+        top_k=torch.full((1, n), SAMPLED["top_k"]),
+        top_p=torch.full((1, n), SAMPLED["top_p"]),
+        min_p=torch.zeros(1, n),
+        reproducible=torch.ones(1, n, dtype=torch.bool),
+        constrained=torch.zeros(1, n, dtype=torch.bool),
+    )
+    targets = torch.tensor([[record["token_ids"][p] for p in sampled]])
+    reference = processed_logprobs(logits[None], targets, sampling)[0].tolist()
+    for p, expected in zip(sampled, reference, strict=True):
+        assert abs(record["logprobs"][p] - expected) <= tolerance, (p, record["logprobs"][p], expected)
