@@ -234,6 +234,7 @@ SLOW_FIRST = (
     "test_constrained.py",
     "test_anthropic_vllm.py",
     "test_responses_vllm.py",
+    "test_gemini_vllm.py",
     "test_claude_code.py",
     "test_codex.py",
     "rollout/test_cli_harnesses.py",

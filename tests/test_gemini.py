@@ -7,25 +7,25 @@ what needs real sampling (calls, thoughts, forced calls, JSON output, exact ids)
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from google import genai
+from google.genai import types
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 from molt_proxy.config import DEFAULT_SIDE_REQUESTS, Settings
-from molt_proxy.errors import BadRequest
+from molt_proxy.errors import BadRequest, UpstreamError
 from molt_proxy.launcher import free_port
 from molt_proxy.types import ParsedReply, RecordedReply
-from molt_proxy.wire.gemini import (
-    decode_count_request,
-    decode_generate_request,
-    json_schema,
-    signed_reasoning,
-    thought_signature,
-)
-from molt_proxy.wire.gemini_reply import content_parts, encode_response
+from molt_proxy.wire.events import Delta, Opened
+from molt_proxy.wire.gemini import decode_count_request, decode_generate_request, json_schema
+from molt_proxy.wire.gemini_contents import signed_reasoning, thought_signature
+from molt_proxy.wire.gemini_reply import content_parts, encode_response, encode_stream
 from tests.conftest import MAX_MODEL_LEN
 from tests.helpers import trajectories
 from tests.inprocess import REPLY_TEXT, inprocess_proxy, qwen3_tokenizer_dir, serve_app
@@ -259,6 +259,8 @@ def test_generation_config_is_the_sampling_and_thinking_config_the_template_swit
         0.2,
     )
     assert call.conversation.max_tokens == 12 and call.conversation.fit_max_tokens
+    as_string = decode(contents=HI["contents"], generationConfig={"maxOutputTokens": "12"})  # int64 as JSON
+    assert as_string.conversation.max_tokens == 12
     assert call.include_thoughts and call.conversation.template_kwargs == {"enable_thinking": True}
     off = decode(contents=HI["contents"], generationConfig={"thinkingConfig": {"thinkingBudget": 0}})
     assert off.conversation.template_kwargs == {"enable_thinking": False} and not off.include_thoughts
@@ -546,8 +548,6 @@ def test_a_title_request_is_a_side_request_on_the_gemini_route_too(proxy):
 
 
 def test_the_google_genai_sdk_generates_streams_counts_and_lists_through_the_proxy(proxy):
-    from google import genai
-    from google.genai import types
 
     client = genai.Client(api_key="-", http_options=types.HttpOptions(base_url=f"{proxy}/s/g-sdk"))
     config = types.GenerateContentConfig(temperature=0, system_instruction="Be brief.")
@@ -568,3 +568,20 @@ def test_the_google_genai_sdk_generates_streams_counts_and_lists_through_the_pro
             model="tiny", contents="hi", config=types.GenerateContentConfig(candidate_count=2)
         )
     assert (refused.value.code, refused.value.status) == (400, "INVALID_ARGUMENT")
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_googles_error_object():
+
+    async def events() -> Any:
+        yield Opened("chatcmpl-1", 0, "tiny", "s")
+        yield Delta(DeltaMessage(content="Hel"))
+        raise UpstreamError("vLLM failed")
+
+    async def lines() -> list[str]:
+        return [line async for line in encode_stream(events(), False, len)]
+
+    first, last = asyncio.run(lines())
+    assert json.loads(first.removeprefix("data: "))["candidates"][0]["content"]["parts"] == [{"text": "Hel"}]
+    assert json.loads(last.removeprefix("data: ")) == {
+        "error": {"code": 502, "message": "vLLM failed", "status": "UNAVAILABLE"}
+    }

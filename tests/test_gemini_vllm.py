@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+from google import genai
+from google.genai import types
 
 from devtools.scripts import WEATHER_TOOL, weather_episode
 from tests.helpers import assert_exact, trajectories
@@ -362,9 +364,6 @@ def test_the_google_genai_sdk_echoes_its_own_history_and_the_episode_stays_one_s
 ):
     """Google's SDK as the agent: the model's `Content` as the SDK parsed it, sent back as
     the SDK serialises it (the call id, `args` as an object), then the function responses."""
-    from google import genai
-    from google.genai import types
-
     proxy = start_proxy(qwen3_model, qwen3_vllm, "--tool-call-parser", "hermes")
     client = genai.Client(api_key="-", http_options=types.HttpOptions(base_url=f"{proxy.url}/s/g-sdk"))
     config = types.GenerateContentConfig(

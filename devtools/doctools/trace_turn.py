@@ -22,6 +22,8 @@ continues the first turn's chain:
 - `messages`: `POST /v1/messages` (Anthropic), the call echoed as a `tool_use` block;
 - `responses`: `POST /v1/responses`, continuing the first response by `previous_response_id`
   (stored, the API's default) with a `function_call_output` item;
+- `gemini`: `POST /v1beta/models/tiny:generateContent` (streamed: `:streamGenerateContent?alt=sse`),
+  the model content echoed as returned, then a `functionResponse` part;
 
 each whole and streamed (`-stream`).
 
@@ -42,6 +44,12 @@ every run):
     messages-stream    31 -> 30    259 -> 231    762 -> 746
     responses          34 -> 32    117 -> 108    423 -> 414
     responses-stream   34 -> 33    294 -> 272    831 -> 822
+
+Since then (issue 30, the Gemini API; `messages` has two more switches, 108 and 233: a helper it
+shares with the Gemini decoder moved to `conversation.py`):
+
+    gemini             31    114    498
+    gemini-stream      32    233    792
 """
 
 from __future__ import annotations
@@ -211,7 +219,24 @@ async def _responses(post: Post, stream: bool) -> Callable[[], Awaitable[httpx.R
     return lambda: post("/v1/responses", again)
 
 
-FORMATS = {"chat": _chat, "messages": _messages, "responses": _responses}
+async def _gemini(post: Post, stream: bool) -> Callable[[], Awaitable[httpx.Response]]:
+    declaration = {"name": "get_weather", "description": "The weather in a city.", "parameters": PARAMETERS}
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": ASKED}]}]
+    body = {
+        "systemInstruction": {"parts": [{"text": SYSTEM}]},
+        "tools": [{"functionDeclarations": [declaration]}],
+        "contents": contents,
+    }
+    first = (await post("/v1beta/models/tiny:generateContent", body)).json()
+    parts = first["candidates"][0]["content"]["parts"]
+    [call] = [part["functionCall"] for part in parts if "functionCall" in part]
+    answer = {"functionResponse": {"id": call["id"], "name": "get_weather", "response": {"output": RESULT}}}
+    contents += [{"role": "model", "parts": parts}, {"role": "user", "parts": [answer]}]
+    action = "streamGenerateContent?alt=sse" if stream else "generateContent"
+    return lambda: post(f"/v1beta/models/tiny:{action}", {**body, "contents": contents})
+
+
+FORMATS = {"chat": _chat, "messages": _messages, "responses": _responses, "gemini": _gemini}
 TURNS = [f"{name}{suffix}" for name in FORMATS for suffix in ("", "-stream")]
 
 
@@ -237,7 +262,8 @@ async def _trace(app: Any, turns: list[str]) -> dict[str, list[Call]]:
             tracer = Tracer()
             with tracer.tracing():
                 response = await second()
-            if streamed and "error" in response.text.split("\n\n")[-3]:
+            events = response.text.split("\n\n")
+            if streamed and "error" in events[max(-3, -len(events))]:
                 raise RuntimeError(f"{turn} failed: {response.text[-500:]}")
             traced[turn] = tracer.calls
     return traced

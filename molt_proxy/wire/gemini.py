@@ -1,27 +1,12 @@
 """The Gemini API on the wire, the request side: `generateContent`, `streamGenerateContent`
 and `countTokens` bodies decoded into the format-neutral `Conversation` the turn runs on
-(`wire/gemini_reply.py` encodes the answer). Gemini CLI speaks only this API.
+(`wire/gemini_contents.py` turns `contents` into messages and owns the thought signatures;
+`wire/gemini_reply.py` encodes the answer). Gemini CLI speaks only this API.
 
 A request becomes the chat request it means, which vLLM's own code then reads for its parsers
 and constraints, with these choices:
 
-- `contents`: a `user` content's text parts are one user message (joined by a newline), its
-  `functionResponse` parts tool messages, in order; a `model` content is one assistant
-  message: its text parts joined as sampled pieces (no separator), its thought parts
-  (`thought: true`) the reasoning, its `functionCall` parts the calls, `args` as the object
-  it is (templates print it with `tojson`). `systemInstruction` is the system prompt.
-- A `functionResponse`'s `response` renders as its `output` where that is the only field and
-  a string (Google's convention, and what Gemini CLI sends), else as the object's JSON.
-- Ids: a call id the proxy's parser minted (`chatcmpl-tool-X`) is shown as it is; an echoed
-  one is read back as it is, or with the `<name>__` prefix Gemini CLI adds to every call id
-  taken off. A `functionResponse` without an `id` answers the first unanswered call of its
-  name in the model content before it.
-- Thought signatures: the proxy mints each as the exact reasoning text of its reply
-  (`thought_signature`; not secret: an agent's history is its own, and the stitching checks
-  what it renders byte for byte). A model content with one on any part (Gemini puts it on the
-  first `functionCall` part, Gemini CLI keeps it there and drops thought parts) has that
-  reasoning back, whatever thought text it carries, so the echo renders the sampled tokens.
-  Any other signature (Gemini CLI's `skip_thought_signature_validator`) is ignored.
+- `systemInstruction` is the system prompt.
 - `tools[].functionDeclarations` are chat tools: `parametersJsonSchema` as it is, `parameters`
   (Google's OpenAPI subset, `"type": "OBJECT"`) as the JSON schema it means
   (`json_schema`). Other tools (`googleSearch`, `codeExecution`, ...) are left out: nothing
@@ -45,9 +30,6 @@ and constraints, with these choices:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,16 +40,14 @@ from molt_proxy.conversation import (
     chat_request,
     check_sampling,
     echoed_call_ids,
+    requested_max_tokens,
     sampling_fields,
     with_string_arguments,
 )
 from molt_proxy.errors import BadRequest
+from molt_proxy.wire.gemini_contents import contents_messages, object_field, string_field, system_text
 from molt_proxy.wire.jsonbody import decode_json_object
 
-_CALL_PREFIX = "chatcmpl-tool-"
-_SIGNED = b"molt-thought:"
-_MEDIA = ("inlineData", "fileData")
-_CODE = ("executableCode", "codeExecutionResult")
 _SAMPLING_NAMES = {
     "temperature": "generationConfig.temperature",
     "top_p": "generationConfig.topP",
@@ -97,36 +77,64 @@ _CONTENT: dict[str, Any] = {
     "properties": {"role": {"enum": ["user", "model"]}, "parts": {"type": "array", "items": _PART}},
     "required": ["parts"],
 }
+_DECLARATION: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"},
+    },
+    "required": ["name"],
+}
 GENERATE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "Gemini API generateContent / countTokens (a subset; see docs/api-formats.md).",
     "properties": {
         "contents": {"type": "array", "items": _CONTENT, "minItems": 1},
         "systemInstruction": _CONTENT,
-        "tools": {"type": "array", "items": {"type": "object"}},
-        "toolConfig": {"type": "object"},
-        "generationConfig": {"type": "object"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"functionDeclarations": {"type": "array", "items": _DECLARATION}},
+            },
+        },
+        "toolConfig": {
+            "type": "object",
+            "properties": {
+                "functionCallingConfig": {
+                    "type": "object",
+                    "properties": {
+                        "mode": {"enum": ["AUTO", "ANY", "NONE"]},
+                        "allowedFunctionNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                }
+            },
+        },
+        "generationConfig": {
+            "type": "object",
+            "properties": {
+                "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                "topP": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "topK": {"type": "integer", "minimum": 0},
+                "maxOutputTokens": {"type": "integer", "minimum": 1},
+                "stopSequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "candidateCount": {"const": 1},
+                "seed": {"type": "integer"},
+                "responseMimeType": {"enum": ["text/plain", "application/json"]},
+                "responseSchema": {"type": "object"},
+                "thinkingConfig": {
+                    "type": "object",
+                    "properties": {
+                        "includeThoughts": {"type": "boolean"},
+                        "thinkingBudget": {"type": "integer"},
+                    },
+                },
+            },
+        },
         "generateContentRequest": {"type": "object"},
     },
 }
-
-
-def thought_signature(reasoning: str) -> str:
-    """The `thoughtSignature` of a reply's reasoning: the exact text, which the proxy reads
-    back (`signed_reasoning`), in base64's URL-safe alphabet, as Google's SDKs write bytes."""
-    return base64.urlsafe_b64encode(_SIGNED + reasoning.encode()).decode()
-
-
-def signed_reasoning(signature: Any) -> str | None:
-    """The reasoning a signature the proxy minted stands for (either base64 alphabet: the
-    SDKs decode and re-encode it); None for any other."""
-    if not isinstance(signature, str):
-        return None
-    try:
-        raw = base64.b64decode(signature.replace("-", "+").replace("_", "/"), validate=True)
-        return raw.removeprefix(_SIGNED).decode() if raw.startswith(_SIGNED) else None
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,12 +171,12 @@ def decode_count_request(body: bytes, model: str) -> Conversation:
 def _decode(data: dict[str, Any], model: str, *, count: bool) -> GeminiCall:
     if data.get("cachedContent") is not None:
         raise BadRequest("cached content is not supported: send the whole 'contents'", param="cachedContent")
-    config = _object(data.get("generationConfig"), "generationConfig")
-    system = _system(data.get("systemInstruction"))
+    config = object_field(data.get("generationConfig"), "generationConfig")
+    system = system_text(data.get("systemInstruction"))
     messages = [{"role": "system", "content": system}] if system else []
-    messages += _Contents().messages(data.get("contents"))
+    messages += contents_messages(data.get("contents"))
     tools = _tools(data.get("tools"))
-    thinking = _object(config.get("thinkingConfig"), "generationConfig.thinkingConfig")
+    thinking = object_field(config.get("thinkingConfig"), "generationConfig.thinkingConfig")
     template_kwargs = _template_kwargs(thinking)
     include = thinking.get("includeThoughts", False)
     if not isinstance(include, bool):
@@ -192,170 +200,13 @@ def _decode(data: dict[str, Any], model: str, *, count: bool) -> GeminiCall:
         tools=tools,
         template_kwargs=template_kwargs,
         sampling=sampling_fields(parser_request),
-        max_tokens=fields.get("max_tokens"),
+        max_tokens=requested_max_tokens(parser_request),
         fit_max_tokens=True,
         parser_request=parser_request,
         session_id=None,
         call_ids=echoed_call_ids(messages),
     )
     return GeminiCall(conversation, include)
-
-
-# -- contents ----------------------------------------------------------------------------------
-
-
-def _object(value: Any, param: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadRequest(f"'{param}' must be an object", param=param)
-    return value
-
-
-def _string(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise BadRequest(f"'{param}' must be a string", param=param)
-    return value
-
-
-def _parts(content: Any, param: str) -> list[dict[str, Any]]:
-    """A content's parts, each an object; media and code parts refused."""
-    if not isinstance(content, dict):
-        raise BadRequest(f"'{param}' must be an object with 'parts'", param=param)
-    parts = content.get("parts")
-    if not isinstance(parts, list):
-        raise BadRequest(f"'{param}.parts' must be an array", param=f"{param}.parts")
-    for j, part in enumerate(parts):
-        where = f"{param}.parts.{j}"
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
-        for kind in (*_MEDIA, *_CODE):
-            if part.get(kind) is not None:
-                why = "the served model reads text only" if kind in _MEDIA else "nothing here runs code"
-                raise BadRequest(f"{where}: {kind} parts are not supported: {why}", param=f"{where}.{kind}")
-    return parts
-
-
-def _system(instruction: Any) -> str:
-    """`systemInstruction`: a content (its text parts joined by a newline) or a string."""
-    if instruction is None or isinstance(instruction, str):
-        return instruction or ""
-    parts = _parts(instruction, "systemInstruction")
-    texts = []
-    for j, part in enumerate(parts):
-        if "text" not in part:
-            raise BadRequest(
-                f"systemInstruction.parts.{j}: only text parts are supported",
-                param=f"systemInstruction.parts.{j}",
-            )
-        texts.append(_string(part["text"], f"systemInstruction.parts.{j}.text"))
-    return "\n".join(texts)
-
-
-def call_id(echoed: str, name: str) -> str:
-    """The call id an echoed `functionCall.id` stands for: as shown, or with the `<name>__`
-    prefix Gemini CLI puts on every call id taken off one the proxy minted."""
-    bare = echoed.removeprefix(f"{name}__")
-    return bare if bare.startswith(_CALL_PREFIX) else echoed
-
-
-class _Contents:
-    """`contents` → the template's messages, with the calls each tool result answers."""
-
-    def __init__(self) -> None:
-        self.out: list[dict[str, Any]] = []
-        self.unanswered: list[tuple[str, str]] = []
-        """(name, id) of the last model content's calls that no response has answered."""
-
-    def messages(self, contents: Any) -> list[dict[str, Any]]:
-        if not isinstance(contents, list) or not contents:
-            raise BadRequest("'contents' must be a non-empty array of contents", param="contents")
-        for i, content in enumerate(contents):
-            param = f"contents.{i}"
-            parts = _parts(content, param)
-            role = content.get("role") or "user"
-            if role == "model":
-                self.out.append(self._model(parts, param))
-            elif role in ("user", "function"):  # "function": the API's older role for responses
-                self._user(parts, param)
-            else:
-                raise BadRequest(f"'{param}.role' must be user or model, got {role!r}", param=f"{param}.role")
-        if not any(m["role"] != "system" for m in self.out):
-            raise BadRequest("'contents' must hold a part", param="contents")
-        return self.out
-
-    def _user(self, parts: list[dict[str, Any]], param: str) -> None:
-        texts: list[str] = []
-        for j, part in enumerate(parts):
-            where = f"{param}.parts.{j}"
-            if "functionResponse" in part:
-                if texts:
-                    self.out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
-                self.out.append(self._response(part["functionResponse"], f"{where}.functionResponse"))
-            elif "text" in part:
-                if not part.get("thought"):  # a thought of the user's is no message
-                    texts.append(_string(part["text"], f"{where}.text"))
-            elif "functionCall" in part:
-                raise BadRequest(f"{where}: a user content cannot hold a functionCall", param=where)
-        if texts or not parts:
-            self.out.append({"role": "user", "content": "\n".join(texts)})
-
-    def _model(self, parts: list[dict[str, Any]], param: str) -> dict[str, Any]:
-        texts: list[str] = []
-        thoughts: list[str] = []
-        signed: str | None = None
-        calls: list[dict[str, Any]] = []
-        for j, part in enumerate(parts):
-            where = f"{param}.parts.{j}"
-            if signed is None:
-                signed = signed_reasoning(part.get("thoughtSignature"))
-            if "functionCall" in part:
-                calls.append(self._call(part["functionCall"], f"{where}.functionCall", len(calls)))
-            elif "text" in part:
-                text = _string(part["text"], f"{where}.text")
-                (thoughts if part.get("thought") else texts).append(text)
-            elif "functionResponse" in part:
-                raise BadRequest(f"{where}: a model content cannot hold a functionResponse", param=where)
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-        reasoning = signed if signed is not None else "".join(thoughts)
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = calls
-        self.unanswered = [(c["function"]["name"], c["id"]) for c in calls]
-        return message
-
-    def _call(self, call: Any, param: str, index: int) -> dict[str, Any]:
-        call = _object(call, param)
-        name = _string(call.get("name"), f"{param}.name")
-        args = call.get("args", {})
-        if not isinstance(args, dict):
-            raise BadRequest(f"'{param}.args' must be an object", param=f"{param}.args")
-        shown = call.get("id")
-        identity = call_id(_string(shown, f"{param}.id"), name) if shown is not None else f"{name}-{index}"
-        return {"id": identity, "type": "function", "function": {"name": name, "arguments": args}}
-
-    def _response(self, response: Any, param: str) -> dict[str, Any]:
-        response = _object(response, param)
-        name = _string(response.get("name"), f"{param}.name")
-        value = response.get("response", {})
-        if not isinstance(value, dict):
-            raise BadRequest(f"'{param}.response' must be an object", param=f"{param}.response")
-        if response.get("parts"):
-            raise BadRequest(f"{param}.parts: multimodal function responses are not supported", param=param)
-        shown = response.get("id")
-        answered = next((pair for pair in self.unanswered if pair[0] == name), None)
-        if shown is not None:
-            identity = call_id(_string(shown, f"{param}.id"), name)
-            answered = next((pair for pair in self.unanswered if pair[1] == identity), answered)
-        else:
-            identity = answered[1] if answered is not None else name
-        if answered is not None:
-            self.unanswered.remove(answered)
-        output = value.get("output")
-        text = output if set(value) == {"output"} and isinstance(output, str) else json.dumps(value)
-        return {"role": "tool", "tool_call_id": identity, "content": text}
 
 
 # -- tools and schemas -------------------------------------------------------------------------
@@ -399,7 +250,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
     chat: list[dict[str, Any]] = []
     for i, tool in enumerate(raw):
         param = f"tools.{i}"
-        declarations = _object(tool, param).get("functionDeclarations")
+        declarations = object_field(tool, param).get("functionDeclarations")
         if declarations is None:
             continue  # googleSearch, codeExecution, ...: nothing here can run them
         if not isinstance(declarations, list):
@@ -409,7 +260,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         for k, declaration in enumerate(declarations):
             chat.append(
                 _function(
-                    _object(declaration, f"{param}.functionDeclarations.{k}"),
+                    object_field(declaration, f"{param}.functionDeclarations.{k}"),
                     f"{param}.functionDeclarations.{k}",
                 )
             )
@@ -419,25 +270,25 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 def _function(declaration: dict[str, Any], param: str) -> dict[str, Any]:
     """A function declaration as chat completions sends a tool (key order as the OpenAI SDKs
     write it: templates print tools as JSON)."""
-    function: dict[str, Any] = {"name": _string(declaration.get("name"), f"{param}.name")}
+    function: dict[str, Any] = {"name": string_field(declaration.get("name"), f"{param}.name")}
     if not function["name"]:
         raise BadRequest(f"'{param}.name' must not be empty", param=f"{param}.name")
     if declaration.get("description") is not None:
-        function["description"] = _string(declaration["description"], f"{param}.description")
+        function["description"] = string_field(declaration["description"], f"{param}.description")
     openapi, plain = declaration.get("parameters"), declaration.get("parametersJsonSchema")
     if openapi is not None and plain is not None:
         raise BadRequest(f"{param}: give 'parameters' or 'parametersJsonSchema', not both", param=param)
     if openapi is not None:
-        function["parameters"] = json_schema(_object(openapi, f"{param}.parameters"))
+        function["parameters"] = json_schema(object_field(openapi, f"{param}.parameters"))
     elif plain is not None:
-        function["parameters"] = _object(plain, f"{param}.parametersJsonSchema")
+        function["parameters"] = object_field(plain, f"{param}.parametersJsonSchema")
     return {"type": "function", "function": function}
 
 
 def _calling_mode(config: Any) -> tuple[str, list[str] | None]:
     """`toolConfig.functionCallingConfig`: its mode and `allowedFunctionNames`, checked."""
     param = "toolConfig.functionCallingConfig"
-    calling = _object(_object(config, "toolConfig").get("functionCallingConfig"), param)
+    calling = object_field(object_field(config, "toolConfig").get("functionCallingConfig"), param)
     mode = calling.get("mode") or "AUTO"
     allowed = calling.get("allowedFunctionNames")
     if mode not in ("MODE_UNSPECIFIED", "AUTO", "ANY", "NONE", "VALIDATED"):

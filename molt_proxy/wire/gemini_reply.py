@@ -7,7 +7,7 @@ A reply is one candidate whose `content.parts` come in sampled order: a thought 
 that is only whitespace, such as Qwen3's `\\n\\n` between its thinking and a call: echo
 restoration puts the sampled whitespace back), then a `functionCall` part per call, with an
 `id` (the parser's call id) and `args` parsed from the exact JSON the model sampled (key
-order kept). A reply with reasoning carries a `thoughtSignature` (`wire.gemini.thought_signature`)
+order kept). A reply with reasoning carries a `thoughtSignature` (`wire.gemini_contents.thought_signature`)
 where Gemini puts one: on its first `functionCall` part, else on its last part (an empty text
 part where there is no other). `finishReason` is `MAX_TOKENS` for a length cut, else `STOP`;
 `usageMetadata` counts the prompt ids sent (`promptTokenCount`), the ids sampled, split into
@@ -33,7 +33,7 @@ from molt_proxy.errors import MoltError
 from molt_proxy.parsing import arguments_object
 from molt_proxy.types import ParsedReply, RecordedReply
 from molt_proxy.wire.events import Delta, Opened, Replayed, StreamEvent
-from molt_proxy.wire.gemini import thought_signature
+from molt_proxy.wire.gemini_contents import thought_signature
 from molt_proxy.wire.sse import data_event, encoded
 
 Count = Callable[[str], int]
