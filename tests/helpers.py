@@ -153,14 +153,12 @@ def _load(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def forward_logprobs(model_dir: Path, token_ids: list[int], positions: set[int] | None = None) -> list[float]:
-    """[T] log p(token_t | tokens_<t) under a float32 forward at `positions` (None: all but 0),
-    0.0 elsewhere. The record goes through in chunks of 1,024 tokens, each attending to the ones
-    before through the KV cache, and the LM head runs only where asked: for a 19k-token record
-    (Claude Code's) one forward takes 20 s with the tiny Qwen3 model's sliding-window mask, and
-    logits everywhere 11 GiB."""
+def forward_logits(model_dir: Path, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    """[len(positions), V] float32 logits that score token p, for each p of `positions`. The
+    record goes through in chunks of 1,024 tokens, each attending to the ones before through the
+    KV cache, and the LM head runs only where asked: for a 19k-token record (Claude Code's) one
+    forward takes 20 s with the tiny Qwen3 model's sliding-window mask, and logits everywhere 11 GiB."""
     model = _load(str(model_dir))
-    wanted = sorted(positions if positions is not None else range(1, len(token_ids)))
     states, cache = [], None
     with torch.no_grad():
         for start in range(0, len(token_ids), 1024):
@@ -168,11 +166,17 @@ def forward_logprobs(model_dir: Path, token_ids: list[int], positions: set[int] 
             out = model.model(input_ids=chunk, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             states.append(out.last_hidden_state[0])
-        hidden = torch.cat(states)[[p - 1 for p in wanted]]  # position p - 1 predicts token p
-        logits = model.lm_head(hidden).float()
-        chosen = torch.log_softmax(logits, dim=-1).gather(
-            1, torch.tensor([token_ids[p] for p in wanted])[:, None]
-        )
+        hidden = torch.cat(states)[[p - 1 for p in positions]]  # position p - 1 predicts token p
+        return model.lm_head(hidden).float()
+
+
+def forward_logprobs(model_dir: Path, token_ids: list[int], positions: set[int] | None = None) -> list[float]:
+    """[T] log p(token_t | tokens_<t) under a float32 forward at `positions` (None: all but 0),
+    0.0 elsewhere (`forward_logits`)."""
+    wanted = sorted(positions if positions is not None else range(1, len(token_ids)))
+    logits = forward_logits(model_dir, token_ids, wanted)
+    targets = torch.tensor([token_ids[p] for p in wanted])[:, None]
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, targets)
     logprobs = [0.0] * len(token_ids)
     for p, value in zip(wanted, chosen[:, 0].tolist(), strict=True):
         logprobs[p] = value

@@ -11,6 +11,7 @@ from rollout.harness import Harness
 HARNESSES: dict[str, str] = {
     "claude-code": "rollout.harnesses.claude_code:ClaudeCode",
     "codex": "rollout.harnesses.codex:Codex",
+    "gemini-cli": "rollout.harnesses.gemini_cli:GeminiCli",
     "mini-swe-agent": "rollout.harnesses.mini_swe_agent:MiniSweAgent",
     "opencode": "rollout.harnesses.opencode:OpenCode",
     "qwen-code": "rollout.harnesses.qwen_code:QwenCode",

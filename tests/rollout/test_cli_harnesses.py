@@ -1,13 +1,15 @@
-"""Claude Code and Codex as rollout harnesses (`rollout/harnesses/claude_code.py`, `codex.py`),
+"""Claude Code, Codex and Gemini CLI as rollout harnesses (`rollout/harnesses/claude_code.py`,
+`codex.py`, `gemini_cli.py`),
 each adapter run as the runner runs it, on an `Attempt` built here: a session created with
 `POST /v1/sessions` on a real proxy over the shared vLLM, and a fresh workspace and private
 `HOME` side by side in one folder (`work`, `home`), as the tiny Qwen3 model was taught them
 (Claude Code writes both paths into its prompt). The CLIs are the real ones, offline.
 
-The model learned each CLI's episode on `TASK` (`devtools/claude_code.py`, `devtools/codex.py`):
-a shell call `echo hi | tee hi.txt`, which the CLI really runs, then `ANSWER`. The proxy pins
-T = 0 (`--sampling`), so the answer is the taught one and not a sample that may stray after the
-text the model never saw (Codex's chunk id and wall time in the tool's output)."""
+The model learned each CLI's episode on `TASK` (`devtools/claude_code.py`, `devtools/codex.py`,
+`devtools/gemini_cli.py`): a shell call `echo hi | tee hi.txt`, which the CLI really runs, then
+`ANSWER`. The proxy pins T = 0 (`--sampling`), so the answer is the taught one and not a sample
+that may stray after the text the model never saw (Codex's chunk id and wall time, Gemini CLI's
+process group id in the tool's output)."""
 
 from __future__ import annotations
 
@@ -21,18 +23,20 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from devtools import claude_code, codex
+from devtools import claude_code, codex, gemini_cli
 from integrations.session import MoltSession, create_session
 from rollout.harness import Attempt, CommandHarness, Outcome
 from rollout.harnesses import HARNESSES
 from rollout.harnesses.claude_code import ClaudeCode
 from rollout.harnesses.codex import Codex
+from rollout.harnesses.gemini_cli import GeminiCli
 from rollout.tasks import Task
 from tests.helpers import assert_exact, trajectories
 from tests.rollout.timeouts import timing_out_when
@@ -43,9 +47,14 @@ needs_claude = pytest.mark.skipif(
 needs_codex = pytest.mark.skipif(
     not codex.installed(), reason="Codex's CLI is not installed (scripts/setup.sh installs it)"
 )
+needs_gemini = pytest.mark.skipif(
+    not gemini_cli.installed(), reason="Gemini CLI is not installed (scripts/setup.sh installs it)"
+)
 PROXY_FLAGS = ("--tool-call-parser", "hermes", "--sampling", "temperature=0")
 TASK = Task(id="hi-file", prompt=claude_code.TASK, check='test "$(cat hi.txt)" = hi')
-assert codex.TASK == claude_code.TASK and codex.ANSWER == claude_code.ANSWER  # one task, both CLIs
+# one task, every CLI
+assert codex.TASK == claude_code.TASK == gemini_cli.TASK
+assert codex.ANSWER == claude_code.ANSWER == gemini_cli.ANSWER
 
 
 def attempt(root: Path, session: MoltSession, timeout_s: float = 300.0) -> Attempt:
@@ -118,6 +127,30 @@ def test_codex_writes_the_file_in_a_fresh_repository_and_its_episode_is_one_exac
     assert_one_exact_episode(proxy.url, qwen3_model, session)
 
 
+@needs_gemini
+def test_gemini_cli_writes_the_file_and_its_episode_is_one_exact_segment_of_the_attempts_session(
+    qwen3_model, qwen3_vllm, start_proxy, tmp_path
+):
+    """The adapter asks the session for the model it serves (none named), which goes into the
+    Gemini API's URL; its answer is the `response` of what it printed."""
+    proxy = start_proxy(qwen3_model, qwen3_vllm, *PROXY_FLAGS, "--served-model-name", gemini_cli.MODEL)
+    session = create_session(proxy.url, group_id="hi-file")
+    run = attempt(tmp_path, session)
+    outcome = GeminiCli().run(run)
+    assert (outcome.exit_code, outcome.transcript, outcome.timed_out, outcome.error) == (
+        0,
+        gemini_cli.ANSWER,
+        False,
+        None,
+    ), outcome.stderr_tail
+    assert (run.workspace / "hi.txt").read_text() == "hi\n"
+    transcript = Path(outcome.extra["transcript_file"])
+    assert transcript.parent == run.home / ".gemini" / "tmp" / "work" / "chats"
+    assert outcome.extra["session"][:8] in transcript.name
+    assert gemini_cli.ANSWER in transcript.read_text()
+    assert_one_exact_episode(proxy.url, qwen3_model, session)
+
+
 # -- failures, without a model: a server that never answers ----------------------------------
 
 
@@ -163,6 +196,8 @@ def alive(pid: int) -> bool:
 CLIS = [
     pytest.param(ClaudeCode, marks=needs_claude, id="claude-code"),
     pytest.param(Codex, marks=needs_codex, id="codex"),
+    # named a model: the silent session would not answer the adapter's question for one
+    pytest.param(partial(GeminiCli, model="tiny"), marks=needs_gemini, id="gemini-cli"),
 ]
 
 
@@ -191,6 +226,13 @@ def test_a_timeout_kills_the_clis_whole_process_group(adapter, tmp_path):
         ),
         pytest.param(
             Codex, 2, "error: unexpected argument '--no-such-flag' found\n", marks=needs_codex, id="codex"
+        ),
+        pytest.param(
+            partial(GeminiCli, model="tiny"),
+            1,
+            "Unknown arguments: such-flag, suchFlag\n",
+            marks=needs_gemini,
+            id="gemini-cli",
         ),
     ],
 )
@@ -221,7 +263,7 @@ def test_a_cli_that_is_not_there_is_refused_before_any_attempt_and_one_gone_sinc
 
 
 def test_the_registry_names_each_adapter_by_its_own_name():
-    for name in ("claude-code", "codex"):
+    for name in ("claude-code", "codex", "gemini-cli"):
         module, _, cls = HARNESSES[name].partition(":")
         harness = getattr(importlib.import_module(module), cls)
         assert issubclass(harness, CommandHarness) and harness.name == name
@@ -229,7 +271,11 @@ def test_the_registry_names_each_adapter_by_its_own_name():
 
 @pytest.mark.parametrize(
     "cli",
-    [pytest.param("claude-code", marks=needs_claude), pytest.param("codex", marks=needs_codex)],
+    [
+        pytest.param("claude-code", marks=needs_claude),
+        pytest.param("codex", marks=needs_codex),
+        pytest.param("gemini-cli", marks=needs_gemini),
+    ],
 )
 def test_molt_proxy_rollout_runs_two_tasks_twice_each_through_the_cli_and_records_them_exactly(
     cli, qwen3_model, qwen3_vllm, start_proxy, tmp_path
