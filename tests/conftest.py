@@ -226,7 +226,7 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 # trainer on the same small model, then the Llama model's build and server (the fifth, taken
 # when one live-trainer test is done). The fourth goes to the teaching worker.
 SLOW_FIRST = (
-    "rollout/test_learn_line_count.py",  # the longest (about 8 min): one worker runs it while the other goes on
+    "rollout/test_learn_line_count.py",  # the longest (8 min): one worker runs it, the other goes on
     "test_supervision.py",
     "trainer/test_end_to_end.py",
     "trainer/test_live_vllm.py",
