@@ -222,12 +222,12 @@ def digits_vllm(digits_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 # order: each starts with one, and takes the next whenever at most two of its tests are left
 # to run. One worker spends its first minutes teaching the Qwen3 model most files need
 # (`test_supervision.py`'s fourth test asks first), so the other's first files must not need
-# it: the README example (one test, so that worker takes the third file at once), the live
-# trainer on the same small model, then the Llama model's build and server (the fifth, taken
-# when one live-trainer test is done). The fourth goes to the teaching worker.
+# it: the line-count learning example (the longest file, about 8 min on a model of its own),
+# the README example (one test, so that worker takes the next file at once), the live trainer
+# on the same small model, then the Llama model's build and server.
 SLOW_FIRST = (
-    "rollout/test_learn_line_count.py",  # the longest (8 min): one worker runs it, the other goes on
     "test_supervision.py",
+    "rollout/test_learn_line_count.py",
     "trainer/test_end_to_end.py",
     "trainer/test_live_vllm.py",
     "test_integrations.py",
