@@ -74,16 +74,19 @@ def run_claude(
 # --- What Claude Code sends ---------------------------------------------------------------
 
 
-def _reply_events(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The script's answer to one request, as Anthropic's stream events."""
+def scripted_reply(
+    body: dict[str, Any], command: str = COMMAND, answer: str = ANSWER
+) -> list[dict[str, Any]]:
+    """The script's answer to one request, as Anthropic's stream events: `TITLE` to a side
+    request (no tools), `answer` after a tool result, else the Bash call `command`."""
     last = body["messages"][-1]["content"]
     if not body.get("tools"):
         block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": TITLE}
     elif isinstance(last, list) and any(b.get("type") == "tool_result" for b in last):
-        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": ANSWER}
+        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": answer}
     else:
         block = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps({"command": COMMAND})}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps({"command": command})}
     stop = "tool_use" if block["type"] == "tool_use" else "end_turn"
     usage = {"input_tokens": 1, "output_tokens": 1}
     message = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": []}
@@ -102,7 +105,7 @@ def recording_server(
 ) -> AbstractContextManager[tuple[str, list[dict[str, Any]]]]:
     """An Anthropic API that records what Claude Code sends and answers with the script, or
     passes it on to `forward_to` (`recording.recording_server`); yields its URL and the bodies."""
-    return recording.recording_server(_reply_events, forward_to)
+    return recording.recording_server(scripted_reply, forward_to)
 
 
 def capture(root: Path, *, bare: bool, side_requests: bool) -> list[dict[str, Any]]:

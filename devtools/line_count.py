@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools import recording
-from devtools.claude_code import CLI, installed, slug
+from devtools.claude_code import CLI, installed, scripted_reply, slug
 from devtools.scripts import Conversation
 from rollout.harnesses.claude_code import claude_command, claude_env
 from rollout.tasks import Task
@@ -89,28 +89,6 @@ def tasks(prefix: str, seeds: range) -> list[Task]:
     return made
 
 
-def _reply_events(command: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The script's answer to one request, as Anthropic's stream events: the Bash call, then
-    (after its result) `ANSWER`."""
-    last = body["messages"][-1]["content"]
-    if isinstance(last, list) and any(b.get("type") == "tool_result" for b in last):
-        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": ANSWER}
-    else:
-        block = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps({"command": command})}
-    stop = "tool_use" if block["type"] == "tool_use" else "end_turn"
-    usage = {"input_tokens": 1, "output_tokens": 1}
-    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": []}
-    return [
-        {"type": "message_start", "message": {**message, "stop_reason": None, "usage": usage}},
-        {"type": "content_block_start", "index": 0, "content_block": block},
-        {"type": "content_block_delta", "index": 0, "delta": delta},
-        {"type": "content_block_stop", "index": 0},
-        {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage},
-        {"type": "message_stop"},
-    ]
-
-
 def capture(root: Path, command: str) -> list[dict[str, Any]]:
     """The request bodies Claude Code sends on one instance, answered with `command` then
     `ANSWER`, run as `molt-proxy rollout --harness claude-code` runs it (its workspace and HOME
@@ -120,7 +98,7 @@ def capture(root: Path, command: str) -> list[dict[str, Any]]:
     (root / "work").mkdir()
     for name, text in files.items():
         (root / "work" / name).write_text(text)
-    with recording.recording_server(lambda body: _reply_events(command, body)) as (url, bodies):
+    with recording.recording_server(lambda body: scripted_reply(body, command, ANSWER)) as (url, bodies):
         done = subprocess.run(
             claude_command(CLI, TASK, model=MODEL, args=ARGS),
             cwd=root / "work",
