@@ -99,12 +99,13 @@ SERVE_FLAGS = {
     *("--micro-batch-size", "--ppo-epochs", "--mini-batches", "--turn-discount", "--drop-flat-groups"),
     *("--advantage", "--group-filter", "--reward-shaping", "--refresh-every", "--num-workers"),
     *("--lora-rank", "--lora-alpha", "--lora-target-modules", "--weight-transfer", "--seed"),
-    *("--train-greedy", "--constrained-turns", "--clip-low", "--clip-high", "--is-mode", "--is-level"),
+    *("--train-greedy", "--train-only", "--constrained-turns", "--clip-low", "--clip-high", "--is-mode"),
+    "--is-level",
     *("--is-low", "--is-high", "--max-staleness", "--ratio-level", "--entropy-coef", "--kl-coef"),
     *("--kl-estimator", "--kl-in", "--loss-agg", "--loss"),
 }
-"""`serve`'s flags, written out: a renamed or lost flag fails here (all but `--upstream-timeout`
-and `--max-grad-norm` predate the generator, under these names)."""
+"""`serve`'s flags, written out: a renamed or lost flag fails here (all but `--upstream-timeout`,
+`--max-grad-norm` and `--train-only` predate the generator, under these names)."""
 
 
 NOT_FLAGS = {(TrainerConfig, "proxy_url"), (TrainerConfig, "loss")}

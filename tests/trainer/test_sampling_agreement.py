@@ -32,14 +32,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def play(proxy, session: str, fields: dict[str, Any]) -> None:
-    """Five turns (each continues the segment), then a reward. Off the taught script, so
+def play(proxy, session: str, fields: dict[str, Any], turns: int = 5) -> None:
+    """`turns` turns (each continues the segment), then a reward. Off the taught script, so
     the model samples freely: unlikely tokens, the hard case for truncation. (Three turns gave
     15 kept tokens at T = 1.3 once the tiny model was taught over a restricted vocabulary
     first: its free replies end sooner.)"""
     client = OpenAI(base_url=proxy.base_url(session), api_key="unused")
     history: list[dict[str, Any]] = [{"role": "user", "content": "Tell me something about the sea."}]
-    for seed in (1, 2, 3, 4, 5):
+    for seed in range(1, turns + 1):
         reply = client.chat.completions.create(
             model="tiny", messages=history, max_tokens=32, seed=seed, extra_body=fields
         )
@@ -113,7 +113,9 @@ def test_fresh_policy_pi_equals_mu_under_every_temperature_and_truncation(
 
 def test_pinned_sampling_is_what_vllm_applied(qwen3_model, qwen3_vllm, start_proxy):
     proxy = start_proxy(qwen3_model, qwen3_vllm, "--sampling", "temperature=0.7,top_k=20")
-    play(proxy, "pinned", {"temperature": 1.3, "top_p": 0.9})  # the agent's own, overridden in part
+    # The agent's own sampling, overridden in part; ten turns: at T = 0.7 and top-k 20 the model
+    # taught Gemini CLI's episode too wrote 19 tokens in five (its free replies end sooner).
+    play(proxy, "pinned", {"temperature": 1.3, "top_p": 0.9}, turns=10)
     (records,) = recorded(proxy.url).values()
     for turn in (turn for t in records for turn in t.turns):
         assert (turn.sampling.temperature, turn.sampling.top_k, turn.sampling.top_p) == (0.7, 20, 0.9)
