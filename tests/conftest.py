@@ -9,6 +9,7 @@ it; clients speak HTTP. (The app in memory, in front of the stand-in vLLM: `test
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +54,18 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
             build(folder)
             done.touch()
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """Undo what a test's in-process `molt-proxy` command did to the root logger: its handler
+    writes to that test's captured stderr, which pytest closes, and a server thread of a later
+    test logging through it printed "--- Logging error --- I/O operation on closed file"."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def only_for_slow_tests(request: pytest.FixtureRequest) -> None:
