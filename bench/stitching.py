@@ -4,10 +4,12 @@ One conversation grows to 200 turns (about 30k tokens) with the real Qwen3 and L
 tokenizers and chat templates. Each turn the proxy renders the request (`Renders.render`:
 a window over the previous turn's render where checked, `rendering.py`), renders the reply's
 echo view (`echo.echo_view`, the same way), then *stitches*: `plan_prompt` compares the render
-with the segment's bytes and tokenizes the new suffix, `commit_turn` appends the ids.
+with the segment's bytes and tokenizes the new suffix, the generate request's body is encoded
+with the prompt ids (`upstream.encoded`), `commit_turn` appends the ids.
 Baselines in the same run: the whole-history renders the proxy did before (`Tokenizer.render`
-of the request, and of the history with the reply for the echo view), and for stitching, a
-proxy without a token record that tokenizes the whole render again each turn.
+of the request, and of the history with the reply for the echo view), the prompt ids built as
+a Python list and encoded from it, as before, and for stitching, a proxy without a token
+record that tokenizes the whole render again each turn.
 Target: the per-turn total flat in the conversation's length (turn 200 within 2x of turn 10).
 """
 
@@ -16,6 +18,9 @@ from __future__ import annotations
 import copy
 import time
 from array import array
+from collections.abc import Sequence
+
+import orjson
 
 from bench.common import Section, median, ms, ratio, table
 from devtools import tokenizer_source
@@ -24,6 +29,7 @@ from molt_proxy.rendering import Renders
 from molt_proxy.stitching import commit_turn, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, Segment
+from molt_proxy.upstream import encoded, generate_body
 
 # ~160 tokens per turn (user + reply), so 200 turns reach ~32k tokens.
 _USER = (
@@ -37,6 +43,8 @@ _REPLY = (
     "tag the release for module {turn} and update the changelog with the test numbers."
 )
 CHECKPOINTS = (1, 10, 50, 100, 150, 200)
+SAMPLING = {"max_tokens": 512, "temperature": 1.0, "logprobs": 0}
+"""What a turn samples with, sent beside the prompt ids."""
 
 
 def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int, dict[str, float]]:
@@ -98,17 +106,36 @@ def _time_turn(
         stitched = _copy(segment)  # commit_turn mutates: time it on a copy
         t5 = time.perf_counter()
         plan = plan_prompt([] if stitched is None else [stitched], text, tokenizer)
+        body = encoded(generate_body(plan.ids, SAMPLING, stream=False, return_prompt_ids=False))
         commit_turn(stitched if plan.continues and stitched else Segment(0), plan, generation, "c", tokenizer)
         t6 = time.perf_counter()
         full = tokenizer.encode(text)
         t7 = time.perf_counter()
-        if text != whole or full != plan.ids:
+        packed = _sent(segment, plan.new_ids, plan.ids)
+        t8 = time.perf_counter()
+        listed = _sent_as_list(segment, plan.new_ids, plan.ids)
+        t9 = time.perf_counter()
+        if text != whole or full != list(plan.ids) or not body == packed == listed:
             raise RuntimeError("the render or the stitched ids differ from the whole render's")
         steps = {"render whole": t1 - t0, "echo whole": t2 - t1, "render": t3 - t2, "echo": t4 - t3}
-        for key, seconds in (steps | {"stitch": t6 - t5, "retokenize": t7 - t6}).items():
+        sent = {"send": t8 - t7, "send list": t9 - t8}
+        for key, seconds in (steps | sent | {"stitch": t6 - t5, "retokenize": t7 - t6}).items():
             timings.setdefault(key, []).append(seconds)
     cell = {key: median(values) for key, values in timings.items()}
     return cell | {"tokens": len(plan.ids), "windowed": float(renders.windowed > 0)}
+
+
+def _sent(segment: Segment | None, new_ids: list[int], ids: Sequence[int]) -> bytes:
+    """The prompt ids of a continued chain into the generate request's body, as the proxy does
+    now: the packed ids and the new ones, encoded from the array (`upstream.encoded`)."""
+    prompt = ids if segment is None else segment.token_ids + array("i", new_ids)
+    return encoded(generate_body(prompt, SAMPLING, stream=False, return_prompt_ids=False))
+
+
+def _sent_as_list(segment: Segment | None, new_ids: list[int], ids: Sequence[int]) -> bytes:
+    """The same, as the proxy did before: the prompt built as a Python list, encoded from it."""
+    prompt = ids if segment is None else segment.token_ids.tolist() + new_ids
+    return orjson.dumps(generate_body(prompt, SAMPLING, stream=False, return_prompt_ids=False))
 
 
 def _copy(segment: Segment | None) -> Segment | None:
@@ -128,19 +155,21 @@ def _rows(runs: list[dict[int, dict[str, float]]], turns: int) -> list[list[obje
     rows: list[list[object]] = []
     cells = {t: {k: median([r[t][k] for r in runs]) for k in runs[0][t]} for t in CHECKPOINTS if t <= turns}
     base = cells[10]
+    for cell in cells.values():
+        cell["stitch before"] = cell["stitch"] - cell["send"] + cell["send list"]
     for turn, cell in cells.items():
-        before = cell["render whole"] + cell["echo whole"] + cell["stitch"]
+        before = cell["render whole"] + cell["echo whole"] + cell["stitch before"]
         after = cell["render"] + cell["echo"] + cell["stitch"]
         rows.append(
             [
                 turn,
                 f"{cell['tokens']:,.0f}",
-                ms(cell["stitch"]),
+                f"{ms(cell['stitch before'])} → {ms(cell['stitch'])}",
                 ms(cell["retokenize"]),
                 f"{ms(cell['render whole'])} → {ms(cell['render'])}",
                 f"{ms(cell['echo whole'])} → {ms(cell['echo'])}",
                 f"{ms(before)} → {ms(after)}",
-                f"{ratio(before, base['render whole'] + base['echo whole'] + base['stitch'])} → "
+                f"{ratio(before, base['render whole'] + base['echo whole'] + base['stitch before'])} → "
                 f"{ratio(after, base['render'] + base['echo'] + base['stitch'])}",
             ]
         )
@@ -160,7 +189,7 @@ def run(quick: bool = False) -> Section:
     header = [
         "turn",
         "prompt tokens",
-        "stitch ms",
+        "stitch ms, list → packed",
         "re-tokenize ms",
         "render ms, whole → now",
         "echo view ms, whole → now",
