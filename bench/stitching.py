@@ -16,9 +16,10 @@ Target: the per-turn total flat in the conversation's length (turn 200 within 2x
 from __future__ import annotations
 
 import copy
+import json
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import orjson
 
@@ -26,7 +27,7 @@ from bench.common import Section, median, ms, ratio, table
 from devtools import tokenizer_source
 from molt_proxy.echo import Rendered, echo_view
 from molt_proxy.rendering import Renders
-from molt_proxy.stitching import commit_turn, plan_prompt
+from molt_proxy.stitching import PromptPlan, commit_turn, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, Segment
 from molt_proxy.upstream import encoded, generate_body
@@ -61,7 +62,7 @@ def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int
         messages.append({"role": "user", "content": _USER.format(turn=turn)})
         before = copy.copy(renders)  # the cache as this turn finds it, to time the turn's render again
         before._entries = renders._entries.copy()
-        request = list(messages)  # a request's messages, never changed after (as `restore` gives)
+        request = json.loads(json.dumps(messages))  # parsed anew, as each request's are
         rendered = renders.render(request, None, {})
         reply = _REPLY.format(turn=turn)
         ids = tokenizer.encode(reply) + [end_id]  # what vLLM would have sampled
@@ -103,39 +104,48 @@ def _time_turn(
         t3 = time.perf_counter()
         echo_view(scratch, Rendered(text, rendered.messages, None, {}), *view[1:])
         t4 = time.perf_counter()
-        stitched = _copy(segment)  # commit_turn mutates: time it on a copy
+        stitched, again = _copy(segment), _copy(segment)  # commit_turn mutates: time each on a copy
         t5 = time.perf_counter()
-        plan = plan_prompt([] if stitched is None else [stitched], text, tokenizer)
-        body = encoded(generate_body(plan.ids, SAMPLING, stream=False, return_prompt_ids=False))
-        commit_turn(stitched if plan.continues and stitched else Segment(0), plan, generation, "c", tokenizer)
+        plan, body = _stitch(stitched, text, tokenizer, generation, _send)
         t6 = time.perf_counter()
-        full = tokenizer.encode(text)
+        _, listed = _stitch(again, text, tokenizer, generation, _send_as_list)
         t7 = time.perf_counter()
-        packed = _sent(segment, plan.new_ids, plan.ids)
+        full = tokenizer.encode(text)
         t8 = time.perf_counter()
-        listed = _sent_as_list(segment, plan.new_ids, plan.ids)
-        t9 = time.perf_counter()
-        if text != whole or full != list(plan.ids) or not body == packed == listed:
+        if text != whole or full != list(plan.ids) or body != listed:
             raise RuntimeError("the render or the stitched ids differ from the whole render's")
         steps = {"render whole": t1 - t0, "echo whole": t2 - t1, "render": t3 - t2, "echo": t4 - t3}
-        sent = {"send": t8 - t7, "send list": t9 - t8}
-        for key, seconds in (steps | sent | {"stitch": t6 - t5, "retokenize": t7 - t6}).items():
+        stitches = {"stitch": t6 - t5, "stitch before": t7 - t6, "retokenize": t8 - t7}
+        for key, seconds in (steps | stitches).items():
             timings.setdefault(key, []).append(seconds)
     cell = {key: median(values) for key, values in timings.items()}
     return cell | {"tokens": len(plan.ids), "windowed": float(renders.windowed > 0)}
 
 
-def _sent(segment: Segment | None, new_ids: list[int], ids: Sequence[int]) -> bytes:
-    """The prompt ids of a continued chain into the generate request's body, as the proxy does
-    now: the packed ids and the new ones, encoded from the array (`upstream.encoded`)."""
-    prompt = ids if segment is None else segment.token_ids + array("i", new_ids)
-    return encoded(generate_body(prompt, SAMPLING, stream=False, return_prompt_ids=False))
+def _stitch(
+    segment: Segment | None,
+    text: str,
+    tokenizer: Tokenizer,
+    generation: Generation,
+    send: Callable[[Segment | None, PromptPlan], bytes],
+) -> tuple[PromptPlan, bytes]:
+    """One turn's stitch: plan the prompt, write the generate request's body (`send`), commit."""
+    plan = plan_prompt([] if segment is None else [segment], text, tokenizer)
+    body = send(segment, plan)
+    commit_turn(segment if plan.continues and segment else Segment(0), plan, generation, "c", tokenizer)
+    return plan, body
 
 
-def _sent_as_list(segment: Segment | None, new_ids: list[int], ids: Sequence[int]) -> bytes:
-    """The same, as the proxy did before: the prompt built as a Python list, encoded from it."""
-    prompt = ids if segment is None else segment.token_ids.tolist() + new_ids
-    return orjson.dumps(generate_body(prompt, SAMPLING, stream=False, return_prompt_ids=False))
+def _send(segment: Segment | None, plan: PromptPlan) -> bytes:
+    """The body as the proxy writes it now: a continued chain's ids packed (`upstream.encoded`)."""
+    return encoded(generate_body(plan.ids, SAMPLING, stream=False, return_prompt_ids=False))
+
+
+def _send_as_list(segment: Segment | None, plan: PromptPlan) -> bytes:
+    """The body as the proxy wrote it before: the prompt built as a Python list and encoded
+    from it (the plan has packed the ids already, a copy of about 10 µs at 30k tokens)."""
+    ids = segment.token_ids.tolist() + plan.new_ids if plan.continues and segment else plan.ids
+    return orjson.dumps(generate_body(ids, SAMPLING, stream=False, return_prompt_ids=False))
 
 
 def _copy(segment: Segment | None) -> Segment | None:
@@ -155,8 +165,6 @@ def _rows(runs: list[dict[int, dict[str, float]]], turns: int) -> list[list[obje
     rows: list[list[object]] = []
     cells = {t: {k: median([r[t][k] for r in runs]) for k in runs[0][t]} for t in CHECKPOINTS if t <= turns}
     base = cells[10]
-    for cell in cells.values():
-        cell["stitch before"] = cell["stitch"] - cell["send"] + cell["send list"]
     for turn, cell in cells.items():
         before = cell["render whole"] + cell["echo whole"] + cell["stitch before"]
         after = cell["render"] + cell["echo"] + cell["stitch"]
