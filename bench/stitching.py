@@ -92,7 +92,7 @@ def _time_turn(
     rendered, reply = view[0], view[1]
     history = [*rendered.messages, reply.as_message(), {"role": "user", "content": "next"}]
     timings: dict[str, list[float]] = {}
-    for _ in range(samples):
+    for sample in range(samples):
         scratch = copy.copy(renders)  # a render fills the cache: time each on the turn's own
         scratch._entries = renders._entries.copy()
         t0 = time.perf_counter()
@@ -104,19 +104,19 @@ def _time_turn(
         t3 = time.perf_counter()
         echo_view(scratch, Rendered(text, rendered.messages, None, {}), *view[1:])
         t4 = time.perf_counter()
-        stitched, again = _copy(segment), _copy(segment)  # commit_turn mutates: time each on a copy
-        t5 = time.perf_counter()
-        plan, body = _stitch(stitched, text, tokenizer, generation, _send)
-        t6 = time.perf_counter()
-        _, listed = _stitch(again, text, tokenizer, generation, _send_as_list)
+        bodies: dict[str, bytes] = {}
+        for key in ("stitch", "stitch before") if sample % 2 else ("stitch before", "stitch"):
+            stitched = _copy(segment)  # commit_turn mutates: time each on a copy
+            t5 = time.perf_counter()
+            plan, bodies[key] = _stitch(stitched, text, tokenizer, generation, _SENDS[key])
+            timings.setdefault(key, []).append(time.perf_counter() - t5)
         t7 = time.perf_counter()
         full = tokenizer.encode(text)
         t8 = time.perf_counter()
-        if text != whole or full != list(plan.ids) or body != listed:
+        if text != whole or full != list(plan.ids) or bodies["stitch"] != bodies["stitch before"]:
             raise RuntimeError("the render or the stitched ids differ from the whole render's")
         steps = {"render whole": t1 - t0, "echo whole": t2 - t1, "render": t3 - t2, "echo": t4 - t3}
-        stitches = {"stitch": t6 - t5, "stitch before": t7 - t6, "retokenize": t8 - t7}
-        for key, seconds in (steps | stitches).items():
+        for key, seconds in (steps | {"retokenize": t8 - t7}).items():
             timings.setdefault(key, []).append(seconds)
     cell = {key: median(values) for key, values in timings.items()}
     return cell | {"tokens": len(plan.ids), "windowed": float(renders.windowed > 0)}
@@ -146,6 +146,10 @@ def _send_as_list(segment: Segment | None, plan: PromptPlan) -> bytes:
     from it (the plan has packed the ids already, a copy of about 10 µs at 30k tokens)."""
     ids = segment.token_ids.tolist() + plan.new_ids if plan.continues and segment else plan.ids
     return orjson.dumps(generate_body(ids, SAMPLING, stream=False, return_prompt_ids=False))
+
+
+_SENDS = {"stitch": _send, "stitch before": _send_as_list}
+"""The stitch now and as before, timed in turns (the first of a sample runs on colder caches)."""
 
 
 def _copy(segment: Segment | None) -> Segment | None:
