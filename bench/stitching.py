@@ -196,7 +196,8 @@ def run(quick: bool = False) -> Section:
         "python -m bench stitching",
         "the whole-history renders the proxy did before this change (`Tokenizer.render` of the "
         "request and of the history with the reply, for the echo view), timed on the same turn "
-        "in the same run; for stitching, tokenizing the whole render again each turn.",
+        "in the same run; the stitch with the prompt ids built as a Python list and encoded from "
+        "it, as before, timed beside it; for stitching, tokenizing the whole render again each turn.",
     )
     header = [
         "turn",
