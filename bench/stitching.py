@@ -4,26 +4,33 @@ One conversation grows to 200 turns (about 30k tokens) with the real Qwen3 and L
 tokenizers and chat templates. Each turn the proxy renders the request (`Renders.render`:
 a window over the previous turn's render where checked, `rendering.py`), renders the reply's
 echo view (`echo.echo_view`, the same way), then *stitches*: `plan_prompt` compares the render
-with the segment's bytes and tokenizes the new suffix, `commit_turn` appends the ids.
+with the segment's bytes and tokenizes the new suffix, the generate request's body is encoded
+with the prompt ids (`upstream.encoded`), `commit_turn` appends the ids.
 Baselines in the same run: the whole-history renders the proxy did before (`Tokenizer.render`
-of the request, and of the history with the reply for the echo view), and for stitching, a
-proxy without a token record that tokenizes the whole render again each turn.
+of the request, and of the history with the reply for the echo view), the prompt ids built as
+a Python list and encoded from it, as before, and for stitching, a proxy without a token
+record that tokenizes the whole render again each turn.
 Target: the per-turn total flat in the conversation's length (turn 200 within 2x of turn 10).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 from array import array
+from collections.abc import Callable
+
+import orjson
 
 from bench.common import Section, median, ms, ratio, table
 from devtools import tokenizer_source
 from molt_proxy.echo import Rendered, echo_view
 from molt_proxy.rendering import Renders
-from molt_proxy.stitching import commit_turn, plan_prompt
+from molt_proxy.stitching import PromptPlan, commit_turn, plan_prompt
 from molt_proxy.tokenizer import Tokenizer
 from molt_proxy.types import Generation, ParsedReply, Segment
+from molt_proxy.upstream import encoded, generate_body
 
 # ~160 tokens per turn (user + reply), so 200 turns reach ~32k tokens.
 _USER = (
@@ -37,6 +44,8 @@ _REPLY = (
     "tag the release for module {turn} and update the changelog with the test numbers."
 )
 CHECKPOINTS = (1, 10, 50, 100, 150, 200)
+SAMPLING = {"max_tokens": 512, "temperature": 1.0, "logprobs": 0}
+"""What a turn samples with, sent beside the prompt ids."""
 
 
 def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int, dict[str, float]]:
@@ -53,7 +62,7 @@ def one_conversation(tokenizer: Tokenizer, turns: int, samples: int) -> dict[int
         messages.append({"role": "user", "content": _USER.format(turn=turn)})
         before = copy.copy(renders)  # the cache as this turn finds it, to time the turn's render again
         before._entries = renders._entries.copy()
-        request = list(messages)  # a request's messages, never changed after (as `restore` gives)
+        request = json.loads(json.dumps(messages))  # parsed anew, as each request's are
         rendered = renders.render(request, None, {})
         reply = _REPLY.format(turn=turn)
         ids = tokenizer.encode(reply) + [end_id]  # what vLLM would have sampled
@@ -83,7 +92,7 @@ def _time_turn(
     rendered, reply = view[0], view[1]
     history = [*rendered.messages, reply.as_message(), {"role": "user", "content": "next"}]
     timings: dict[str, list[float]] = {}
-    for _ in range(samples):
+    for sample in range(samples):
         scratch = copy.copy(renders)  # a render fills the cache: time each on the turn's own
         scratch._entries = renders._entries.copy()
         t0 = time.perf_counter()
@@ -95,20 +104,52 @@ def _time_turn(
         t3 = time.perf_counter()
         echo_view(scratch, Rendered(text, rendered.messages, None, {}), *view[1:])
         t4 = time.perf_counter()
-        stitched = _copy(segment)  # commit_turn mutates: time it on a copy
-        t5 = time.perf_counter()
-        plan = plan_prompt([] if stitched is None else [stitched], text, tokenizer)
-        commit_turn(stitched if plan.continues and stitched else Segment(0), plan, generation, "c", tokenizer)
-        t6 = time.perf_counter()
-        full = tokenizer.encode(text)
+        bodies: dict[str, bytes] = {}
+        for key in ("stitch", "stitch before") if sample % 2 else ("stitch before", "stitch"):
+            stitched = _copy(segment)  # commit_turn mutates: time each on a copy
+            t5 = time.perf_counter()
+            plan, bodies[key] = _stitch(stitched, text, tokenizer, generation, _SENDS[key])
+            timings.setdefault(key, []).append(time.perf_counter() - t5)
         t7 = time.perf_counter()
-        if text != whole or full != plan.ids:
+        full = tokenizer.encode(text)
+        t8 = time.perf_counter()
+        if text != whole or full != list(plan.ids) or bodies["stitch"] != bodies["stitch before"]:
             raise RuntimeError("the render or the stitched ids differ from the whole render's")
         steps = {"render whole": t1 - t0, "echo whole": t2 - t1, "render": t3 - t2, "echo": t4 - t3}
-        for key, seconds in (steps | {"stitch": t6 - t5, "retokenize": t7 - t6}).items():
+        for key, seconds in (steps | {"retokenize": t8 - t7}).items():
             timings.setdefault(key, []).append(seconds)
     cell = {key: median(values) for key, values in timings.items()}
     return cell | {"tokens": len(plan.ids), "windowed": float(renders.windowed > 0)}
+
+
+def _stitch(
+    segment: Segment | None,
+    text: str,
+    tokenizer: Tokenizer,
+    generation: Generation,
+    send: Callable[[Segment | None, PromptPlan], bytes],
+) -> tuple[PromptPlan, bytes]:
+    """One turn's stitch: plan the prompt, write the generate request's body (`send`), commit."""
+    plan = plan_prompt([] if segment is None else [segment], text, tokenizer)
+    body = send(segment, plan)
+    commit_turn(segment if plan.continues and segment else Segment(0), plan, generation, "c", tokenizer)
+    return plan, body
+
+
+def _send(segment: Segment | None, plan: PromptPlan) -> bytes:
+    """The body as the proxy writes it now: a continued chain's ids packed (`upstream.encoded`)."""
+    return encoded(generate_body(plan.ids, SAMPLING, stream=False, return_prompt_ids=False))
+
+
+def _send_as_list(segment: Segment | None, plan: PromptPlan) -> bytes:
+    """The body as the proxy wrote it before: the prompt built as a Python list and encoded
+    from it (the plan has packed the ids already, a copy of about 10 µs at 30k tokens)."""
+    ids = segment.token_ids.tolist() + plan.new_ids if plan.continues and segment else plan.ids
+    return orjson.dumps(generate_body(ids, SAMPLING, stream=False, return_prompt_ids=False))
+
+
+_SENDS = {"stitch": _send, "stitch before": _send_as_list}
+"""The stitch now and as before, timed in turns (the first of a sample runs on colder caches)."""
 
 
 def _copy(segment: Segment | None) -> Segment | None:
@@ -129,18 +170,18 @@ def _rows(runs: list[dict[int, dict[str, float]]], turns: int) -> list[list[obje
     cells = {t: {k: median([r[t][k] for r in runs]) for k in runs[0][t]} for t in CHECKPOINTS if t <= turns}
     base = cells[10]
     for turn, cell in cells.items():
-        before = cell["render whole"] + cell["echo whole"] + cell["stitch"]
+        before = cell["render whole"] + cell["echo whole"] + cell["stitch before"]
         after = cell["render"] + cell["echo"] + cell["stitch"]
         rows.append(
             [
                 turn,
                 f"{cell['tokens']:,.0f}",
-                ms(cell["stitch"]),
+                f"{ms(cell['stitch before'])} → {ms(cell['stitch'])}",
                 ms(cell["retokenize"]),
                 f"{ms(cell['render whole'])} → {ms(cell['render'])}",
                 f"{ms(cell['echo whole'])} → {ms(cell['echo'])}",
                 f"{ms(before)} → {ms(after)}",
-                f"{ratio(before, base['render whole'] + base['echo whole'] + base['stitch'])} → "
+                f"{ratio(before, base['render whole'] + base['echo whole'] + base['stitch before'])} → "
                 f"{ratio(after, base['render'] + base['echo'] + base['stitch'])}",
             ]
         )
@@ -155,12 +196,13 @@ def run(quick: bool = False) -> Section:
         "python -m bench stitching",
         "the whole-history renders the proxy did before this change (`Tokenizer.render` of the "
         "request and of the history with the reply, for the echo view), timed on the same turn "
-        "in the same run; for stitching, tokenizing the whole render again each turn.",
+        "in the same run; the stitch with the prompt ids built as a Python list and encoded from "
+        "it, as before, timed beside it; for stitching, tokenizing the whole render again each turn.",
     )
     header = [
         "turn",
         "prompt tokens",
-        "stitch ms",
+        "stitch ms, list → packed",
         "re-tokenize ms",
         "render ms, whole → now",
         "echo view ms, whole → now",
@@ -176,19 +218,22 @@ def run(quick: bool = False) -> Section:
     section.body.append(
         f"One conversation grown turn by turn ({repeats} times per template); at each listed turn "
         f"every step is timed {samples} times on the same state, interleaved (median of medians); "
-        "each turn adds a user message (a tool report) and a reply. *now* is the proxy's path: "
+        "each turn adds a user message (a tool report) and a reply; each request's messages are "
+        "parsed anew from JSON, as a request's are. *now* is the proxy's path: "
         "`Renders.render` (a window over the previous turn's render, checked, `rendering.py`; "
         "below 16 messages left out the whole history is rendered; a window reuses the "
         "previous one's render while its context spans at most 10 messages, about 4 turns "
         "here, then anchors anew with one more small render, so a turn's render is one or two "
         "small renders) and `echo_view` through `Renders.after` (one small render); *whole* "
         "renders the whole history, as before. *stitch* = `plan_prompt` "
-        "(byte-prefix check, tokenize the new suffix) + `commit_turn` (append to the packed "
-        "record). Per-turn total = render + echo view + stitch; the turn's SQLite write holds "
-        "only its new ids (benchmark 3). Every timed render is checked equal to the whole render "
-        "and the stitched ids to a fresh tokenization. As this block had it before (commit "
-        "419f856, Qwen3, 2026-11-29, another load): stitch 0.37 ms at turn 10 and 0.96 ms at "
-        "turn 200, whole render 0.54 → 16.09 ms. The machine is shared (6 people measuring at once): read "
+        "(byte-prefix check, tokenize the new suffix) + the generate request's body with the "
+        "prompt ids (`upstream.encoded`) + `commit_turn` (append to the packed record); *list* "
+        "is the same stitch with the prompt ids built as a Python list and encoded from it, as "
+        "before, *packed* the segment's int32 array and the new ids, encoded from a NumPy view. "
+        "Per-turn total = render + echo view + stitch (*whole*: with the stitch as before); the "
+        "turn's SQLite write holds only its new ids (benchmark 3). Every timed render is checked "
+        "equal to the whole render, the stitched ids to a fresh tokenization, and the two bodies "
+        "byte for byte. The machine is shared (6 people measuring at once): read "
         "the ratios, not the absolute times."
     )
     return section

@@ -344,10 +344,11 @@ class Turn:
         )
         yield Closed(reply, last, await self._answered(session, reply))
 
-    def _verify(self, sent: list[int], echoed: list[int] | None) -> None:
-        """With `--verify-prompt-ids`, the prompt ids vLLM says it read must be the ids sent:
-        a turn is recorded only on the prompt the model saw. Whole and streamed turns alike."""
-        if self.parts.verify_prompt_ids and echoed != sent:
+    def _verify(self, sent: Sequence[int], echoed: list[int] | None) -> None:
+        """With `--verify-prompt-ids`, the prompt ids vLLM says it read must be the ids sent
+        (compared as lists: the ids sent may be a packed array): a turn is recorded only on
+        the prompt the model saw. Whole and streamed turns alike."""
+        if self.parts.verify_prompt_ids and echoed != list(sent):
             raise UpstreamError("vLLM reports prompt ids that differ from the ids the proxy sent")
 
     # -- 6. record, 7. end -----------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jiter
@@ -100,7 +101,7 @@ class ReplyParser:
         sampled_ids: list[int],
         finish_reason: str,
         request: ChatCompletionRequest,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
     ) -> ParsedReply:
         """The reply message. `finish_reason` (vLLM's) says whether a trailing stop id ends it."""
         ids = sampled_ids
@@ -126,7 +127,7 @@ class ReplyParser:
         return reply
 
     def _as_streamed(
-        self, ids: list[int], finish_reason: str, request: ChatCompletionRequest, prompt_ids: list[int]
+        self, ids: list[int], finish_reason: str, request: ChatCompletionRequest, prompt_ids: Sequence[int]
     ) -> ParsedReply | None:
         """The reply a stream of `ids` adds up to, if it holds calls. `max_tokens` can cut a call
         off: the whole-reply parser then finds none (its JSON is incomplete) while the
@@ -166,7 +167,7 @@ class ReplyParser:
             request.skip_special_tokens and not self._tools_enabled(request) and self._reasoning_cls is None
         )
 
-    def stream(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> ReplyStream:
+    def stream(self, request: ChatCompletionRequest, prompt_ids: Sequence[int]) -> ReplyStream:
         cls = self._stream_cls if self._tools_enabled(request) else self._stream_cls_no_tools
         parser = (
             cls(self.tokenizer.hf, request.tools, chat_template_kwargs=request.chat_template_kwargs or {})
@@ -191,7 +192,7 @@ class ReplyStream:
         tokenizer: Tokenizer,
         parser: Parser | None,
         request: ChatCompletionRequest,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         stop_ids: set[int],
         skip_special: bool,
     ):

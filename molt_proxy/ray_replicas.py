@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -169,12 +169,12 @@ class RayReplica:
         await self._upstream.__aexit__(*exc)
 
     async def generate(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> Generation:
         return await self._upstream.generate(prompt_ids, sampling, return_prompt_ids=return_prompt_ids)
 
     def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         return self._upstream.stream(prompt_ids, sampling, return_prompt_ids=return_prompt_ids)
 

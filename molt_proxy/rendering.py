@@ -35,6 +35,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Any, TypeVar
 
 from molt_proxy.errors import BadRequest
@@ -72,6 +73,10 @@ class _Entry:
     """The indices of the messages with a value other than a string or None (tool calls):
     where `==` is not enough (JSON's `1`, `1.0` and `true` are equal in Python, and key order
     is not compared)."""
+    keys: tuple[str, ...]
+    """Every message's keys in order, one after another (`_keys`): key order is not compared
+    by `==`, and a template may print a message's items in it. Kept with the entry, and
+    extended from its parent's, so that a request's check builds only its own."""
     dropped: str | None = None
     """`Renders.dropped` for its tools and kwargs, once asked (the next turns' renders keep it)."""
 
@@ -100,11 +105,14 @@ class Renders:
         parent = self._parent(messages, tools, kwargs)
         text, made = None, None
         if parent is None:
-            nested = _nested(messages, 0)
+            nested, keys = _nested(messages, 0), _keys(messages, 0, len(messages))
             windows, featured = self.windows(tools, kwargs), self.featured.any(messages)
         else:
             m = len(parent.messages)
-            nested = parent.nested + _nested(messages, m)
+            nested, keys = (
+                parent.nested + _nested(messages, m),
+                parent.keys + _keys(messages, m, len(messages)),
+            )
             windows, new = parent.windows, self.featured.any(messages[m:])
             featured = parent.featured or new
             if windows.allow(parent.featured, new):
@@ -124,7 +132,7 @@ class Renders:
                     self.windowed += 1
         if text is None:
             text = self.tokenizer.render(messages, tools, kwargs)
-        entry = _Entry(messages, tools, kwargs, text, featured, windows, made, nested)
+        entry = _Entry(messages, tools, kwargs, text, featured, windows, made, nested, keys)
         entry.dropped = None if parent is None else parent.dropped
         self._remember(entry, parent)
         return text
@@ -219,7 +227,7 @@ class Renders:
                 and repr(entry.kwargs) == repr(kwargs)
                 and entry.tools == tools  # the head, rendered again by every window, shows them
                 and entry.messages == messages[:m]
-                and list(map(list, entry.messages)) == list(map(list, messages[:m]))  # key order
+                and entry.keys == _keys(messages, 0, m)  # key order, once `==` found the same keys
                 and all(repr(entry.messages[i]) == repr(messages[i]) for i in entry.nested)
             ):
                 return entry
@@ -272,6 +280,12 @@ def _nested(messages: Messages, start: int) -> list[int]:
         for i in range(start, len(messages))
         if any(type(v) is not str and v is not None for v in messages[i].values())
     ]
+
+
+def _keys(messages: Messages, start: int, end: int) -> tuple[str, ...]:
+    """The keys of `messages[start:end]` in order, one message's after another's: where each
+    message has the same keys as another list's (`==`), equal tuples mean the same order."""
+    return tuple(chain.from_iterable(islice(messages, start, end)))
 
 
 def _seams(messages: Messages) -> Iterator[int]:

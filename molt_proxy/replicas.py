@@ -64,11 +64,11 @@ class UpstreamClient(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
     async def generate(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> Generation: ...
 
     def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """Each `TokenDelta` as it is sampled, then the whole `Generation`. A generator, so that
         closing it early (`aclose`) ends the request on the server. `return_prompt_ids`: the
@@ -210,7 +210,7 @@ class Replicas:
     async def generate(
         self,
         affinity: str,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         sampling: dict[str, Any],
         *,
         return_prompt_ids: bool = False,
@@ -226,7 +226,7 @@ class Replicas:
     def stream(
         self,
         affinity: str,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         sampling: dict[str, Any],
         *,
         return_prompt_ids: bool = False,

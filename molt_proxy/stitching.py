@@ -14,6 +14,7 @@ the live turn and a restart's replay both commit to.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,8 +31,10 @@ class TokenText(Protocol):
 class PromptPlan:
     """The exact ids to send for one request and how they join the record."""
 
-    ids: list[int]
-    """Full prompt sent to vLLM."""
+    ids: Sequence[int]
+    """Full prompt sent to vLLM: a continued chain's packed ids and the new ones (an `array`
+    of int32, which `upstream.py` encodes without a Python int per id: a list of the whole
+    prompt each turn was most of the stitch's cost at 30k tokens), else the render's ids."""
     new_ids: list[int]
     """Ids this request appends before the completion (mask 0)."""
     new_text: bytes
@@ -103,9 +106,8 @@ def plan_match(matched: Match, rendered: str, tokenizer: TokenText) -> PromptPla
         except UnicodeDecodeError:
             continue
         new_ids = tokenizer.encode(suffix) if suffix else []
-        return PromptPlan(
-            segment.token_ids.tolist() + new_ids, new_ids, tokenizer.ids_bytes(new_ids), segment.index
-        )
+        prompt = segment.token_ids + array("i", new_ids)
+        return PromptPlan(prompt, new_ids, tokenizer.ids_bytes(new_ids), segment.index)
     ids = tokenizer.encode(rendered)
     return PromptPlan(ids, ids, tokenizer.ids_bytes(ids), None)
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from array import array
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Self
 
 import aiohttp
+import numpy as np
 import orjson
 
 from molt_proxy import lora
@@ -125,7 +127,7 @@ class Upstream:
         response inside the `async with` is covered by the same error translation."""
         if self._session is None:
             raise UpstreamUnavailable(f"the client for vLLM at {self.base_url} is not open")
-        data = None if payload is None else orjson.dumps(payload)
+        data = None if payload is None else encoded(payload)
         headers = None if payload is None else _JSON_HEADERS
         url = f"{self.base_url}{path}"
         with _translated(self.base_url):
@@ -142,13 +144,9 @@ class Upstream:
             return await resp.text()
 
     async def generate(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> Generation:
-        body = {
-            "token_ids": prompt_ids,
-            "sampling_params": top_asked(sampling),
-            "return_token_ids": return_prompt_ids,
-        }
+        body = generate_body(prompt_ids, sampling, stream=False, return_prompt_ids=return_prompt_ids)
         adapter = self._adapter(body)
         generation = parse_generation(
             await self._request("POST", _GENERATE, body), sampling.get("logprobs") or 0
@@ -156,7 +154,7 @@ class Upstream:
         return _labelled(generation, adapter)
 
     async def stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
+        self, prompt_ids: Sequence[int], sampling: dict[str, Any], *, return_prompt_ids: bool = False
     ) -> AsyncGenerator[TokenDelta | Generation, None]:
         """Yield each `TokenDelta` as vLLM samples it, then the whole `Generation`.
 
@@ -166,12 +164,7 @@ class Upstream:
         went away, so it is `UpstreamUnavailable`. `return_prompt_ids`: vLLM echoes the prompt
         ids it read on its first chunk; they are on the first delta and on the `Generation`.
         """
-        body = {
-            "token_ids": prompt_ids,
-            "sampling_params": top_asked(sampling),
-            "stream": True,
-            "return_token_ids": return_prompt_ids,
-        }
+        body = generate_body(prompt_ids, sampling, stream=True, return_prompt_ids=return_prompt_ids)
         adapter = self._adapter(body)
         k = sampling.get("logprobs") or 0
         ids: list[int] = []
@@ -307,6 +300,30 @@ class Upstream:
         except UpstreamError:
             return False
         return True
+
+
+def generate_body(
+    prompt_ids: Sequence[int], sampling: dict[str, Any], *, stream: bool, return_prompt_ids: bool
+) -> dict[str, Any]:
+    """The generate route's request for these prompt ids (`encoded` writes it)."""
+    streamed = {"stream": True} if stream else {}
+    return {
+        "token_ids": prompt_ids,
+        "sampling_params": top_asked(sampling),
+        **streamed,
+        "return_token_ids": return_prompt_ids,
+    }
+
+
+def encoded(payload: dict[str, Any]) -> bytes:
+    """A request's JSON. Prompt ids packed in an `array` of int32 (a continued chain's,
+    `stitching.PromptPlan.ids`) go to orjson as a NumPy view of the same memory: no Python
+    int per id, at about a third of the cost of encoding them from a list, and none of the
+    cost of building that list."""
+    ids = payload.get("token_ids")
+    if isinstance(ids, array):
+        payload = {**payload, "token_ids": np.frombuffer(ids, dtype=np.int32)}
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _labelled(generation: Generation, adapter: tuple[str, int] | None) -> Generation:

@@ -189,6 +189,29 @@ def test_an_earlier_message_that_is_equal_in_python_but_not_in_json_renders_whol
         assert json.dumps(arguments) in text
 
 
+ITEMS = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A template that prints each message's items in their order."""
+
+
+def test_an_earlier_message_with_its_keys_in_another_order_renders_whole():
+    """`==` compares dicts without key order, yet a template may print a message's items in it:
+    an earlier message echoed with its keys reordered is not the cached render's."""
+    qwen3 = fresh("qwen3")
+    qwen3.hf.chat_template = ITEMS
+    renders = Renders(Tokenizer(qwen3.hf), 1)
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(12)]
+    renders.render(messages[:9], None, {})
+    assert renders.render(messages[:11], None, {}) == renders.tokenizer.render(messages[:11], None, {})
+    assert renders.windowed == 1  # the template renders by windows: the check below is the parent's
+    request = [*messages[:11]]
+    request[4] = {"content": "m4", "role": "user"}
+    text = renders.render(request, None, {})
+    assert text == renders.tokenizer.render(request, None, {}) and "content=m4;role=user" in text
+
+
 def test_a_long_conversation_through_the_proxy_records_the_ids_of_the_whole_renders(tmp_path):
     """In process, before the stand-in vLLM: 30 turns, rendered by windows from about the
     tenth; the record is one segment, and each turn's prompt ids are the tokenization of the

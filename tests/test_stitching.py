@@ -57,7 +57,7 @@ def test_continuation_with_two_tool_results_appends_only_the_suffix(tokenizer):
     ]
     plan, same = turn(tokenizer, segment, messages, "Sunny and rainy.")
     assert plan.continues and same is segment
-    assert plan.ids[: len(before)] == before
+    assert list(plan.ids[: len(before)]) == before
     suffix = tokenizer.hf.decode(plan.new_ids)
     assert suffix.startswith("\n<|im_start|>user\n<tool_response>\nSunny") and "Rainy" in suffix
     first, second = segment.turns
@@ -135,7 +135,7 @@ def test_a_render_continues_the_chain_it_extends_furthest(tokenizer):
     assert plan_prompt(chains, render(elsewhere), tokenizer).segment == 0
     more_sub = [*sub, {"role": "assistant", "content": "Yes?"}, {"role": "user", "content": "Go"}]
     plan = plan_prompt(chains, render(more_sub), tokenizer)
-    assert plan.segment == 1 and plan.ids == other.token_ids.tolist() + plan.new_ids
+    assert plan.segment == 1 and list(plan.ids) == other.token_ids.tolist() + plan.new_ids
     opened = plan_prompt(chains, render([{"role": "user", "content": "New"}]), tokenizer)
     assert (
         opened.segment is None
