@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +71,7 @@ class RequestRoute(APIRoute):
     request (query string, headers, cookies: 11 µs of its 31 here) only to hand it the
     request; its OpenAPI entry and error handling are FastAPI's, as for any route."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         endpoint = self.endpoint
 
         async def handle(request: Request) -> Response:
