@@ -108,8 +108,10 @@ def check_sampling(request: ChatCompletionRequest) -> None:
     """Sampling values in the ranges vLLM's `SamplingParams._verify_args` accepts, checked at
     the edge so a bad one is a 400 with `param` set here rather than an upstream error (or a
     silent default) later. `seed` is bounded to int64 by `ChatCompletionRequest` itself."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(request, name)
+    for name, value in (
+        ("max_tokens", _max_tokens(request)),
+        ("max_completion_tokens", request.max_completion_tokens),
+    ):
         if value is not None and value < 1:
             raise BadRequest(f"'{name}' must be at least 1, got {value}", param=name)
     _in_range(request.temperature, "temperature", 0.0, 2.0)
@@ -167,4 +169,12 @@ def sampling_fields(request: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
-    return request.max_completion_tokens or request.max_tokens
+    return request.max_completion_tokens or _max_tokens(request)
+
+
+def _max_tokens(request: ChatCompletionRequest) -> int | None:
+    """`request.max_tokens`, the value pydantic validated, read without the DeprecationWarning
+    that vLLM's field raises on every read (3.7 µs each, three a request): clients still send
+    `max_tokens`, and vLLM reads it as the proxy does."""
+    value: int | None = request.__dict__["max_tokens"]
+    return value

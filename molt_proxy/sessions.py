@@ -141,10 +141,6 @@ class Sessions:
     async def _create(
         self, session_id: str, group_id: str | None, key_hash: str | None, owner: str | None, inferred: bool
     ) -> Session:
-        status = await self.store.session_status(session_id)
-        if status is not None:
-            closed = "" if status is SessionStatus.OPEN else " and is closed"
-            raise Conflict(f"session {session_id!r} already exists{closed}", param="session_id")
         now = time.time()
         session = Session(
             id=session_id,
@@ -155,7 +151,7 @@ class Sessions:
             inferred=inferred,
             last_active=now,
         )
-        await self.store.create_session(
+        status = await self.store.create_session(
             StoredSession(
                 session.id,
                 session.group_id,
@@ -166,6 +162,9 @@ class Sessions:
                 session.created,
             )
         )
+        if status is not None:
+            closed = "" if status is SessionStatus.OPEN else " and is closed"
+            raise Conflict(f"session {session_id!r} already exists{closed}", param="session_id")
         self._register(session)
         return session
 

@@ -119,8 +119,8 @@ class Telemetry:
             self.chains.labels(reason)
         for status in TRAJECTORY_STATUSES:
             self.trajectories.labels(status)
-        for kind in TOKEN_KINDS:
-            self.tokens.labels(kind)
+        self.prompt_tokens, self.sampled_tokens = (self.tokens.labels(kind) for kind in TOKEN_KINDS)
+        """The token counter's two series, looked up once (`_series` says why)."""
         r.register(_Live(open_sessions, replicas))
 
     def scrape(self) -> bytes:
@@ -198,8 +198,8 @@ def turn_recorded(
     facts.prompt_tokens, facts.sampled_tokens = prompt_tokens, sampled_tokens
     metrics = facts.telemetry
     metrics.turns.inc()
-    metrics.tokens.labels("prompt").inc(prompt_tokens)
-    metrics.tokens.labels("sampled").inc(sampled_tokens)
+    metrics.prompt_tokens.inc(prompt_tokens)
+    metrics.sampled_tokens.inc(sampled_tokens)
     if opened is not None:
         metrics.chains.labels(opened).inc()
 
@@ -222,6 +222,7 @@ class Instrument:
 
     def __init__(self, app: ASGIApp, telemetry: Telemetry):
         self.app, self.telemetry = app, telemetry
+        self._by_route: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/metrics":
@@ -248,8 +249,9 @@ class Instrument:
     def _done(self, scope: Scope, facts: RequestFacts, status: int, seconds: float) -> None:
         route = scope.get("route")
         path = getattr(route, "path", UNMATCHED)
-        self.telemetry.requests.labels(path, str(status)).inc()
-        self.telemetry.request_seconds.labels(path).observe(seconds)
+        counted, timed = self._series(path, status)
+        counted.inc()
+        timed.observe(seconds)
         session = facts.session or scope.get("path_params", {}).get("session_id")
         fields = {
             "method": scope["method"],
@@ -264,8 +266,24 @@ class Instrument:
             "replica": facts.replica,
             "upstream_s": round(facts.upstream_s, 6),
         }
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("method", "route", "status"))
+        text = (
+            f"latency_s={fields['latency_s']} session={session} segment={facts.segment} turn={facts.turn}"
+            f" prompt_tokens={facts.prompt_tokens} sampled_tokens={facts.sampled_tokens}"
+            f" replica={facts.replica} upstream_s={fields['upstream_s']}"
+        )
         log.info("%s %s %d %s", scope["method"], path, status, text, extra={"fields": fields})
+
+    def _series(self, path: str, status: int) -> tuple[Counter, Histogram]:
+        """The request counter's and the latency histogram's series of a route and status,
+        looked up once each: prometheus_client's `labels()` checks and locks on every call.
+        Routes and statuses are few (`UNMATCHED` stands for every path no route serves)."""
+        key = (path, status)
+        found = self._by_route.get(key)
+        if found is None:
+            telemetry = self.telemetry
+            found = (telemetry.requests.labels(path, str(status)), telemetry.request_seconds.labels(path))
+            self._by_route[key] = found
+        return found
 
 
 router = APIRouter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import accumulate
 from typing import Any
 
 import orjson
@@ -64,20 +65,24 @@ def _fast(body: bytes) -> Any | None:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(data) > MAX_DEPTH:
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         return None
     return data
 
 
-def _depth(value: Any) -> int:
-    """How deep objects and arrays nest in `value` (a scalar: 0). Iterative."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return deepest if isinstance(value, dict | list) else 0
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _depth(body: bytes) -> int:
+    """How deep objects and arrays nest in `body`, JSON that orjson has read: the deepest
+    running count of its brackets outside strings (none: 0). Read off the bytes, in C: an
+    agent's history of 400 messages has more than `MAX_DEPTH` brackets, and walking its
+    decoded value took a third of its decoding. Escaped backslashes, then escaped quotes, go
+    first; then every string's quotes pair up, and the text between each pair is dropped."""
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    outside = b"".join(text.split(b'"')[::2])
+    return max(accumulate(map(_STEP.__getitem__, outside)), default=0)
 
 
 def _strict(body: bytes) -> Any:
