@@ -7,8 +7,8 @@ only "Failed to connect to Ray cluster". Now the error names the fix, and the fi
 The head runs with a private HOME (its own ~/.ray/auth_token, none of this user's) and a
 short temp dir (Ray's socket paths are long), every port it listens on free, in its own
 process group, which the test ends (`ray stop` would end every Ray node of this machine).
-The joins run in subprocesses, each with Ray's GCS connect retries cut to 2 s (20 s by
-default) by `RAY_gcs_server_port_wait_time_s`.
+The joins run in subprocesses side by side, each with Ray's GCS connect retries cut to 2 s
+(20 s by default) by `RAY_gcs_server_port_wait_time_s`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,26 @@ def test_a_cluster_with_token_auth_is_named_with_its_fix_for_serve_and_the_train
     try:
         assert "Token authentication is enabled for this Ray cluster" in head.log_path.read_text()
         address = f"127.0.0.1:{port}"
+        join = f"from molt_proxy.ray_replicas import join_cluster; join_cluster({address!r})"
+        argv = ["trainer", "--proxy-url", "http://127.0.0.1:9", "--model", str(folder / "none")]
+        argv += ["--train-out", str(folder / "train"), "--ray-address", address]
+        elsewhere = folder / "elsewhere"
+        elsewhere.mkdir()
+        check = f"{join}; print('joined')"
+        run_trainer = (
+            f"import sys, runpy; sys.argv = {argv!r}; runpy.run_module('trainer', run_name='__main__')"
+        )
+        # Five fresh interpreters, each its imports and 2 s of connect retries: side by side.
+        with ThreadPoolExecutor(max_workers=5) as pool:
+            runs = [
+                pool.submit(python, join, home),
+                pool.submit(python, run_trainer, home),
+                pool.submit(python, check, home, RAY_AUTH_MODE="token"),
+                pool.submit(python, check, elsewhere, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+                pool.submit(python, check, elsewhere, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * len(token)),
+            ]
+            serve, trainer, joined_here, joined, wrong = (run.result() for run in runs)
 
-        serve = python(f"from molt_proxy.ray_replicas import join_cluster; join_cluster({address!r})", home)
         assert serve.returncode == 1
         last = serve.stderr.strip().splitlines()[-1]
         assert last.startswith(f"molt_proxy.ray_replicas.RayTokenAuthError: the Ray cluster at {address} ")
@@ -82,11 +101,6 @@ def test_a_cluster_with_token_auth_is_named_with_its_fix_for_serve_and_the_train
         assert "Failed to connect to Ray cluster" in serve.stderr and "InvalidAuthToken" in serve.stderr
 
         # the trainer's --ray-address joins the same way, before it loads anything
-        argv = ["trainer", "--proxy-url", "http://127.0.0.1:9", "--model", str(folder / "none")]
-        argv += ["--train-out", str(folder / "train"), "--ray-address", address]
-        trainer = python(
-            f"import sys, runpy; sys.argv = {argv!r}; runpy.run_module('trainer', run_name='__main__')", home
-        )
         assert trainer.returncode == 1
         assert (
             trainer.stderr.strip()
@@ -96,16 +110,9 @@ def test_a_cluster_with_token_auth_is_named_with_its_fix_for_serve_and_the_train
 
         # the fix named works: RAY_AUTH_MODE=token and the token from this HOME's ~/.ray, or in
         # RAY_AUTH_TOKEN from anywhere (another HOME, as on another machine)
-        check = (
-            f"from molt_proxy.ray_replicas import join_cluster; join_cluster({address!r}); print('joined')"
-        )
-        assert python(check, home, RAY_AUTH_MODE="token").stdout.strip() == "joined"
-        elsewhere = folder / "elsewhere"
-        elsewhere.mkdir()
-        joined = python(check, elsewhere, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        assert joined_here.stdout.strip() == "joined"
         assert joined.stdout.strip() == "joined"
         # a wrong token is named the same way, with the mode it ran under
-        wrong = python(check, elsewhere, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * len(token))
         assert "RayTokenAuthError" in wrong.stderr and "(RAY_AUTH_MODE=token)" in wrong.stderr
     finally:
         head.stop()

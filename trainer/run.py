@@ -38,17 +38,20 @@ def train(config: TrainerConfig, *, show_progress: bool = True) -> dict[str, Any
     actor = ray.remote(num_cpus=0, num_gpus=gpus)(Trainer).remote(config)
     result_ref = actor.run.remote()
     shown = 0
-    while True:
-        done, _ = ray.wait([result_ref], timeout=1.0)
-        records = read(config.out_dir / "metrics.jsonl")
-        if show_progress:
-            for record in records[shown:]:
-                print(progress_line(record, config.max_steps), flush=True)
-        shown = len(records)
-        if done:
-            result = ray.get(result_ref)
-            ray.kill(actor)
-            return result
+    try:
+        while True:
+            done, _ = ray.wait([result_ref], timeout=1.0)
+            records = read(config.out_dir / "metrics.jsonl")
+            if show_progress:
+                for record in records[shown:]:
+                    print(progress_line(record, config.max_steps), flush=True)
+            shown = len(records)
+            if done:
+                return ray.get(result_ref)
+    finally:
+        # On Ctrl-C too: the actor's trajectory stream from `serve --train`'s own proxy would
+        # otherwise hold the proxy's graceful shutdown open (30 s, until its thread is given up).
+        ray.kill(actor)
 
 
 _NODE_TIMED_OUT = "timed out during startup"

@@ -128,12 +128,14 @@ def test_a_timeout_a_crash_and_a_failed_setup_are_recorded_and_never_rewarded(
         {"id": "unready", "prompt": "Never.", "check": "true", "setup": "echo missing >&2; exit 3"},
     )
     out = tmp_path / "out.jsonl"
+    # The timeout must outlast an agent's start and two turns (the crashing one took 10 s on 2
+    # cores at load 8), so that the slow one times out after its turns, as recorded.
     results = run_rollout(
-        proxy.url, tasks, AGENT, out, concurrency=3, timeout_s=40, eval=True, progress=io.StringIO()
+        proxy.url, tasks, AGENT, out, concurrency=3, timeout_s=20, eval=True, progress=io.StringIO()
     )
 
     assert [(r.task, r.group, r.reward, r.error) for r in results] == [
-        ("slow", "eval/slow", None, "timed out after 40s"),
+        ("slow", "eval/slow", None, "timed out after 20s"),
         ("broken", "eval/broken", None, "the harness exited with code 1"),
         ("unready", "eval/unready", None, "setup failed: the setup command exited with 3: missing"),
     ]
@@ -150,7 +152,7 @@ def test_a_timeout_a_crash_and_a_failed_setup_are_recorded_and_never_rewarded(
     for record in sessions[slow.session]:
         assert (record["status"], record["reward"], record["group_id"]) == ("unrewarded", None, "eval/slow")
         info = record["info"]
-        assert (info["reason"], info["timed_out"], info["exit_code"]) == ("timed out after 40s", True, None)
+        assert (info["reason"], info["timed_out"], info["exit_code"]) == ("timed out after 20s", True, None)
         assert_exact(record, untaught_qwen3_model)
     for record in sessions[broken.session]:
         assert (record["status"], record["reward"], record["group_id"]) == ("unrewarded", None, "eval/broken")
