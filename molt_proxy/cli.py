@@ -69,6 +69,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Ctrl-C (SIGINT) stops `serve` and what it launched even where it was started with SIGINT
+    # ignored, as a non-interactive shell starts a background job: a parent stopping it with
+    # SIGINT (examples/learn_line_count.py) otherwise waited a minute, then killed it, and its
+    # vLLM lived on (seen in a CI run, where that orphan's 2.7 GB ran the machine out of memory).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     options = from_flags(ServeOptions, args)
     logs.configure(options.log_format)
 
