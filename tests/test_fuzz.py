@@ -5,9 +5,11 @@ routes (issue 30); the Responses API's routes (issue 13) have OpenAI's.
 The POST routes declare their request-body schemas (chat, sessions, rewards, weights), so
 schemathesis generates bodies that follow them and, in its negative mode, bodies that break
 them. The proxy runs in process in front of the instant stand-in vLLM, so 200s are cheap;
-what matters is the status and shape of every refusal. Bounded by `EXAMPLES` per operation
-(about two minutes here). The trajectory stream is not fuzzed: it answers SSE only when asked
-with `Accept: text/event-stream`, which schemathesis does not send, and never ends.
+what matters is the status and shape of every refusal. Bounded by `EXAMPLES` per operation.
+Generating the bodies is the cost (over 90% of this file's CPU; the requests under 10%), so an
+operation served at both `/v1/...` and `/s/{session_id}/v1/...` (one handler and one decoder)
+is sent each generated case at both. The trajectory stream is not fuzzed: it answers SSE only
+when asked with `Accept: text/event-stream`, which schemathesis does not send, and never ends.
 """
 
 from __future__ import annotations
@@ -71,11 +73,15 @@ OPERATIONS = [
     ("GET", "/s/{session_id}/v1beta/models/{model}"),
     ("GET", "/health"),
 ]
-"""Every operation served, each fuzzed on its own (a new route must be added here)."""
+"""Every operation served, each fuzzed (a new route must be added here)."""
 BREAKABLE = [(method, path) for method, path in OPERATIONS if method == "POST" or path == "/v1/trajectories"]
 """Operations with a body or a query, which the negative mode breaks (a path segment is any string)."""
-CASES = [(*op, GenerationMode.POSITIVE) for op in OPERATIONS] + [
-    (*op, GenerationMode.NEGATIVE) for op in BREAKABLE
+SESSION = "/s/{session_id}"
+"""The prefix that names a session: the operation under it is the unprefixed one's."""
+FIRST = [(method, path) for method, path in OPERATIONS if not path.startswith(SESSION)]
+"""What each test case names: the operation, fuzzed together with its twin under `SESSION`."""
+CASES = [(*op, GenerationMode.POSITIVE) for op in FIRST] + [
+    (*op, GenerationMode.NEGATIVE) for op in BREAKABLE if op in FIRST
 ]
 
 
@@ -131,18 +137,37 @@ def openai_error_body(response: schemathesis.Response, path: str) -> None:
     assert error["code"] is None or isinstance(error["code"], str), error
 
 
+def unprefixed(case: schemathesis.Case, operation: Any) -> schemathesis.Case:
+    """`case` (of an operation under `SESSION`) for `operation`, the same one without it."""
+    return operation.Case(
+        path_parameters={k: v for k, v in case.path_parameters.items() if k != "session_id"},
+        headers=case.headers,
+        cookies=case.cookies,
+        query=case.query,
+        body=case.body,
+        media_type=case.media_type,
+    )
+
+
 @pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=str)
 def test_no_input_gives_a_5xx_and_every_4xx_has_the_openai_error_body(served_openapi, method, path, mode):
+    """Each case of `path`'s twin under `SESSION`, where it has one, is sent to both."""
     operation = served_openapi[path][method]
+    twin = served_openapi[SESSION + path][method] if (method, SESSION + path) in OPERATIONS else None
 
     fewer = ("/v1/messages", "/v1/responses", "/v1beta/")
     examples = ANTHROPIC_EXAMPLES if any(part in path for part in fewer) else EXAMPLES
 
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    def fuzz(case: schemathesis.Case) -> None:
+    def check(case: schemathesis.Case) -> None:
         response = case.call(timeout=60)
         assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.text[:500]}"
         openai_error_body(response, path)
+
+    @given(case=(twin or operation).as_strategy(generation_mode=mode))
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def fuzz(case: schemathesis.Case) -> None:
+        check(case)
+        if twin is not None:
+            check(unprefixed(case, operation))
 
     fuzz()

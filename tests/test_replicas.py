@@ -103,6 +103,12 @@ class FakeUpstream:
         return ModelInfo(first["id"], first["max_model_len"])
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Return once `condition` holds (polled; the caller bounds the wait)."""
+    while not condition():
+        await asyncio.sleep(0.005)
+
+
 def _fakes(n: int = 2, **kwargs: Any) -> tuple[Replicas, list[FakeUpstream]]:
     fakes = [FakeUpstream(f"r{i}") for i in range(n)]
     return Replicas(fakes, **kwargs), fakes
@@ -263,7 +269,8 @@ def test_a_returning_replica_gets_the_current_weights_before_traffic():
         assert await replicas.refresh_weights("/w/3", 3) == ["http://r1"]
         assert fakes[0].loaded == [] and fakes[1].loaded == [("/w/3", 3)]
         fakes[0].up = True
-        await asyncio.sleep(0.1)  # the background check brings it back
+        # the background check (every 0.01 s) brings it back: waited for, never timed
+        await asyncio.wait_for(until(lambda: bool(fakes[0].loaded)), timeout=60)
         assert fakes[0].loaded == [("/w/3", 3)]
         assert [r["weight_version"] for r in replicas.describe()] == [3, 3]
         # A replica that fails a reload is taken out; the others keep the new weights.

@@ -13,10 +13,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from devtools import build_tiny_model
 from molt_proxy.types import Trajectory
 from tests.trainer.builders import episodes, trajectory, turns
-from trainer import checkpoint, evaluation, loop
+from trainer import checkpoint, loop
 from trainer.batch import Batch
 from trainer.buffer import Group, GroupBuffer
 from trainer.config import TrainerConfig
@@ -24,23 +23,33 @@ from trainer.loss import LossConfig
 from trainer.metrics import eval_points, progress_line, read, scalars, summary_line
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", teach=False)
+class Clock:
+    """`trainer.loop`'s `time`: its intervals pass only as the test moves them; a record's
+    wall-clock `time` is the real one."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
 
 
 class Stream:
     """The proxy's stream as the loop sees it: these trajectories in order, then nothing."""
 
-    def __init__(self, records: list[Trajectory]):
+    def __init__(self, records: list[Trajectory], clock: Clock):
         self.records = list(records)
+        self.clock = clock
 
     def start(self) -> Stream:
         return self
 
     def get(self, timeout_s: float) -> tuple[int, Trajectory] | None:
         if not self.records:
-            time.sleep(timeout_s)  # as the real one waits
+            self.clock.now += timeout_s  # as the real one waits, on the loop's clock
             return None
         return 0, self.records.pop(0)
 
@@ -48,8 +57,17 @@ class Stream:
         pass
 
 
+def follow(monkeypatch: pytest.MonkeyPatch, records: list[Trajectory]) -> None:
+    """The loop reads `records` from its stream, on a clock that moves only while it waits
+    for more (`Stream.get`): the wait for evaluations after the last step
+    (`evaluation.WAIT_S`, 5 s) passes at once."""
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records, clock))
+
+
 def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_consumed(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     records = [
         *episodes(1, "first", (1.0, 0.0), version=0),  # step 1 (version 0 -> 1)
@@ -58,17 +76,19 @@ def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_cons
         *episodes(7, "stale", (1.0, 0.0), version=0),  # 1 version old, max_staleness 0
         *episodes(9, "second", (0.0, 1.0), version=1),  # step 2
     ]
-    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    follow(monkeypatch, records)
     refreshed: list[int] = []
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: refreshed.append(self.state.version) or 0.0)
     config = TrainerConfig(
         proxy_url="http://unused",
-        model=str(model_dir),
+        model=str(small_model),
         out_dir=tmp_path,
         group_size=2,
         groups_per_step=1,
         max_steps=4,  # taken and skipped: first, tie, masked, second
-        lr=1e-3,
+        # At 1e-3 the first step's first epoch moved every ratio past the clip, leaving its
+        # second epoch no gradient (and no optimizer step) on this model's small vocabulary.
+        lr=1e-4,
         ppo_epochs=2,
         loss=LossConfig(is_mode="mask", is_low=1e-9, is_high=1e9, max_staleness=0),
     )
@@ -115,10 +135,10 @@ def test_steps_that_would_change_nothing_are_skipped_counted_and_their_data_cons
 
 
 def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: pytest.fail("refreshed on a skipped step"))
-    config = TrainerConfig(proxy_url="http://unused", model=str(model_dir), out_dir=tmp_path, group_size=2)
+    config = TrainerConfig(proxy_url="http://unused", model=str(small_model), out_dir=tmp_path, group_size=2)
     trainer = loop.Trainer(config)
     trainer.state.version = trainer.state.step = 9  # tokens of version 0 are 9 > max_staleness 4 old
     trainer.policy.ppo_step = lambda *args, **kwargs: pytest.fail("a step ran on stale tokens only")
@@ -132,7 +152,7 @@ def test_a_step_whose_every_token_is_stale_is_skipped_before_any_compute(
 
 
 def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A and B are in the checkpoint's pending work, so both are ready at once; the step on A
     moves the version to 1, which makes the waiting B (version 0, max_staleness 0) stale. C is
@@ -148,12 +168,11 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
         *episodes(11, "G", (1.0, 0.0), version=2),
         *episodes(13, "eval/F", (1.0, 0.5), version=2),
     ]
-    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    follow(monkeypatch, records)
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
-    monkeypatch.setattr(evaluation, "WAIT_S", 1.0)
     config = TrainerConfig(
         proxy_url="http://unused",
-        model=str(model_dir),
+        model=str(small_model),
         out_dir=tmp_path,
         group_size=2,
         groups_per_step=1,
@@ -211,7 +230,7 @@ def test_flat_stale_and_eval_groups_are_dropped_before_a_step_and_counted(
 
 
 def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`turn_discount` through the loop: session a's 3 turns arrive in 2 segments after b's
     single one; the buffer makes them one group, and the step trains on each turn's advantage,
@@ -225,11 +244,11 @@ def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
         turns(2, "a", [1.0, None], 1.0, segment=0, segments=2),
         turns(3, "a", [0.5], 1.0, segment=1, segments=2),
     ]
-    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    follow(monkeypatch, records)
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
     config = TrainerConfig(
         proxy_url="http://unused",
-        model=str(model_dir),
+        model=str(small_model),
         out_dir=tmp_path,
         group_size=2,
         groups_per_step=1,
@@ -268,23 +287,14 @@ def test_per_turn_credit_reaches_the_step_as_each_turns_advantage_on_its_tokens(
 
 
 def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After the last step the trainer waits for evaluations while they keep coming, but no
     longer than `group_timeout_s` in all; what it took is in the checkpoint. The loop's clock
     moves 1/8 s per evaluation taken, so it stops after exactly 8, well inside the quiet
     window (`evaluation.WAIT_S`) that each of them renews."""
 
-    class Clock:
-        """`trainer.loop`'s `time`: seconds that pass only as evaluations arrive."""
-
-        def __init__(self) -> None:
-            self.now = 0.0
-
-        def monotonic(self) -> float:
-            return self.now
-
-    clock = Clock()
+    clock = Clock()  # seconds pass only as evaluations arrive
     monkeypatch.setattr(loop, "time", clock)
 
     class Endless:
@@ -297,7 +307,7 @@ def test_an_evaluator_that_never_stops_does_not_keep_the_run_alive(
             return 0, episodes(self.seq, f"eval/{self.seq}", (1.0, 1.0), version=0)[0]
 
     config = TrainerConfig(
-        proxy_url="http://unused", model=str(model_dir), out_dir=tmp_path, group_size=2, group_timeout_s=1.0
+        proxy_url="http://unused", model=str(small_model), out_dir=tmp_path, group_size=2, group_timeout_s=1.0
     )
     trainer = loop.Trainer(config)
     trainer.evaluating = True
@@ -321,7 +331,7 @@ def test_drop_flat_groups_needs_a_group_relative_estimator() -> None:
 
 
 def run_one_group(
-    model_dir: Path,
+    small_model: Path,
     out_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     records: list[Trajectory],
@@ -331,11 +341,11 @@ def run_one_group(
 ) -> tuple[loop.Trainer, bool]:
     """`Trainer.run` for one step's worth of `records` (a group of 2 sessions); whether the
     step's optimizer moved the weights. `perturb`: the policy starts away from its reference."""
-    monkeypatch.setattr(loop, "TrajectoryStream", lambda *args, **kwargs: Stream(records))
+    follow(monkeypatch, records)
     monkeypatch.setattr(loop.Trainer, "_refresh", lambda self: 0.0)
     config = TrainerConfig(
         proxy_url="http://unused",
-        model=str(model_dir),
+        model=str(small_model),
         out_dir=out_dir,
         group_size=2,
         groups_per_step=1,
@@ -363,7 +373,7 @@ def run_one_group(
     ],
 )
 def test_a_flat_group_steps_only_for_the_entropy_or_kl_terms_of_the_loss(
-    model_dir: Path,
+    small_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     loss: LossConfig,
@@ -374,7 +384,7 @@ def test_a_flat_group_steps_only_for_the_entropy_or_kl_terms_of_the_loss(
     Before, GRPO gave them +-1e-11 advantages and Adam a full step; and a step skipped for
     zero advantages skipped the entropy bonus and the KL penalty with it."""
     records = episodes(1, "near", (0.1 + 0.2, 0.3), version=0)
-    trainer, moved = run_one_group(model_dir, tmp_path, monkeypatch, records, perturb=perturb, loss=loss)
+    trainer, moved = run_one_group(small_model, tmp_path, monkeypatch, records, perturb=perturb, loss=loss)
     skipped = {"zero_advantage": 1} if steps == 0 else {}
     assert (trainer.state.step, trainer.state.skipped_steps, moved) == (steps, skipped, steps == 1)
     if steps:
@@ -383,7 +393,7 @@ def test_a_flat_group_steps_only_for_the_entropy_or_kl_terms_of_the_loss(
 
 
 def test_reward_mean_and_the_baseline_average_sessions_not_segments(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Session a of 2 segments rewarded 1, session b of 1 segment rewarded 0: the sessions'
     mean is 0.5 (the segments' 2/3 was logged before). With reinforce_baseline (b = 0 before
@@ -393,7 +403,9 @@ def test_reward_mean_and_the_baseline_average_sessions_not_segments(
         trajectory(2, "a", "g", 1.0, segment=1, num_segments=2, token_ids=[1, 2, 5, 6]),
         trajectory(3, "b", "g", 0.0, token_ids=[1, 2, 7, 8]),
     ]
-    trainer, moved = run_one_group(model_dir, tmp_path, monkeypatch, records, estimator="reinforce_baseline")
+    trainer, moved = run_one_group(
+        small_model, tmp_path, monkeypatch, records, estimator="reinforce_baseline"
+    )
     [record] = read(tmp_path / "metrics.jsonl")
     assert (record["reward_mean"], record["reward_max"], record["trajectories"]) == (0.5, 1.0, 3)
     assert trainer.state.baseline == 0.5 and moved

@@ -21,7 +21,10 @@ from trainer.sampling import OUTSIDE_SUPPORT
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qwen3_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 with the real 151k-token vocabulary, for the one test whose point
+    is the size of the vocabulary (a top-k of 20 leaves out nearly all of it); the others
+    run on `small_model`."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", teach=False)
 
 
@@ -37,12 +40,12 @@ def two_turns(seq: int, ids: list[int]) -> Trajectory:
     return record
 
 
-def test_no_reference_is_loaded_without_a_kl_penalty(model_dir: Path) -> None:
-    assert Policy(model_dir).reference is None
+def test_no_reference_is_loaded_without_a_kl_penalty(small_model: Path) -> None:
+    assert Policy(small_model).reference is None
 
 
-def test_the_reference_gives_kl_zero_before_the_first_update_and_above_zero_after(model_dir: Path) -> None:
-    policy = Policy(model_dir, lr=1e-3, reference=True)
+def test_the_reference_gives_kl_zero_before_the_first_update_and_above_zero_after(small_model: Path) -> None:
+    policy = Policy(small_model, lr=1e-3, reference=True)
     loss = LossConfig(kl_coef=0.1, max_staleness=None)
     batch = collate([two_turns(0, [5, 6, 7, 8, 9, 10, 11])], [1.0])
     first = policy.train_step([batch], 0, loss)
@@ -51,12 +54,12 @@ def test_the_reference_gives_kl_zero_before_the_first_update_and_above_zero_afte
     second = policy.train_step([batch], 0, loss)
     assert second["kl_ref"] > 0.0
     assert second["optimizer_steps"] == 1.0
-    initial = Policy(model_dir).model.state_dict()
+    initial = Policy(small_model).model.state_dict()
     assert all(torch.equal(initial[name], p) for name, p in policy.reference.state_dict().items())
 
 
-def test_kl_in_the_reward_is_beta_times_the_sum_of_k_per_turn(model_dir: Path) -> None:
-    policy = Policy(model_dir, reference=True)
+def test_kl_in_the_reward_is_beta_times_the_sum_of_k_per_turn(small_model: Path) -> None:
+    policy = Policy(small_model, reference=True)
     records = [two_turns(0, [5, 6, 7, 8, 9, 10, 11, 12]), two_turns(1, [12, 13, 14, 15, 16, 17])]
     batch = collate(records, [0.0, 0.0])
     with torch.no_grad():
@@ -75,14 +78,14 @@ def test_kl_in_the_reward_is_beta_times_the_sum_of_k_per_turn(model_dir: Path) -
 
 
 def test_a_kl_penalty_under_top_k_top_p_stays_finite_where_the_reference_truncated_the_token(
-    model_dir: Path,
+    qwen3_vocab_model: Path,
 ) -> None:
     """Sampled at T = 0.7, top-p 0.9, top-k 20 by a policy that has moved away from the
     reference (its lm_head perturbed): the policy's greedy tokens are in its own kept set but
     mostly outside the reference's, where the reference's processed logprob is the -87.3
     sentinel (k1 = 86, k2's gradient 86). Against the extended logprobs the KL in the loss
     and in the reward is finite and of the size of a real divergence."""
-    policy = Policy(model_dir, lr=1e-3, reference=True)
+    policy = Policy(qwen3_vocab_model, lr=1e-3, reference=True)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         head = policy.model.lm_head.weight
