@@ -1,4 +1,6 @@
-"""The trainer's unit tests: one small random model per test process, one torch thread each."""
+"""The trainer's unit tests: one small random model per test process, one torch thread each.
+torch and devtools are imported inside the fixtures, so a run that collects nothing here pays
+nothing for them."""
 
 from __future__ import annotations
 
@@ -6,9 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-
-from devtools import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +17,8 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     151k-token Qwen3 vocabulary the LM head held 99% of the weights: every forward, backward
     and AdamW step cost seconds, and `tests/trainer/test_policy.py` and `test_loop.py` took
     minutes of the fast tier."""
+    from devtools import build_tiny_model
+
     return build_tiny_model(tmp_path_factory.mktemp("small-qwen3"), "qwen3", fallback_tokenizer=True)
 
 
@@ -31,6 +32,8 @@ def one_torch_thread(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("vllm") is not None:
         yield
         return
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
