@@ -422,9 +422,12 @@ def _teach(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    # As many days as the longest `vary` list has values, at least one per teaching date; one
+    # day for scripts that show no date and vary nothing.
+    varied = [len(shown) for conv in conversations for shown in conv.get("vary", {}).values()]
     days: list[_Day] = []
-    for k, date_string in enumerate(_TEACH_DATES):  # one day for scripts that show no date
-        day = _day(tokenizer, conversations, k, date_string, reach(model))
+    for k in range(max(len(_TEACH_DATES), *varied)):
+        day = _day(tokenizer, conversations, k, _TEACH_DATES[k % len(_TEACH_DATES)], reach(model))
         if all(day.rows != d.rows for d in days):
             days.append(day)
     # Random input embeddings already tell tokens apart; freezing them spares a dense
