@@ -28,7 +28,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from devtools import recording
+from devtools import recording, variants
 from devtools.scripts import Conversation
 from rollout.harnesses.claude_code import claude_command, claude_env
 from rollout.harnesses.cli import TOOLS
@@ -42,15 +42,13 @@ MODEL = "tiny"
 TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The Bash call the model makes: it writes the file and prints `hi` into the tool result."""
-ANSWER = "Done: hi.txt says hi."
+ANSWER = "File written."
 TITLE = '{"title": "Write hi to a file"}'
 """The reply to the title request, which asks for JSON (`output_config.format`)."""
 
-# Text that differs between runs, and what teaching shows the model in its place.
-_TEACH_ROOTS = [
-    f"/tmp/{name}" for name in ("claude-code-4k2x9a1q", "pytest-of-ci/pytest-17/test_cli0", "tmpz8w_3nb")
-]
-_TEACH_DAYS = [date(2025, 1, 6), date(2026, 3, 19), date(2026, 12, 1), date(2027, 8, 30)]
+# Text that differs between runs, and what teaching shows the model in its place (`devtools.variants`).
+_TEACH_ROOTS = variants.drawn(1, variants.folder)
+_TEACH_DAYS = variants.drawn(2, variants.day)
 
 
 def installed() -> bool:

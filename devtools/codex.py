@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from devtools import recording
+from devtools import recording, variants
 from devtools.scripts import Conversation
 from rollout.harnesses.cli import TOOLS
 from rollout.harnesses.codex import codex_command, codex_env, git_repository, write_config
@@ -41,11 +41,12 @@ MODEL = "tiny"
 TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The `exec_command` call the model makes: it writes the file and prints `hi` into the output."""
-ANSWER = "Done: hi.txt says hi."
+ANSWER = "File written."
 
-# Text that differs between runs (in a tool's output), and what teaching shows the model in its place.
-_TEACH_CHUNKS = ["3f9a1c", "b07e52", "e41d6a", "5c2f80"]
-_TEACH_WALL_TIMES = ["0.0000", "0.0132", "0.0051", "0.1038"]
+# Text that differs between runs (in a tool's output, just before the answer), and what teaching
+# shows the model in its place (`devtools.variants`).
+_TEACH_CHUNKS = variants.drawn(3, lambda rng: f"{rng.getrandbits(24):06x}")
+_TEACH_WALL_TIMES = variants.drawn(4, lambda rng: f"{rng.uniform(0, 0.3):.4f}")
 
 
 def installed() -> bool:

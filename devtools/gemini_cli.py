@@ -23,11 +23,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import date, timedelta
+from datetime import date
 from pathlib import Path
 from typing import Any
 
-from devtools import recording
+from devtools import recording, variants
 from devtools.scripts import Conversation
 from rollout.harnesses.cli import TOOLS
 from rollout.harnesses.gemini_cli import gemini_command, gemini_env, response, write_settings
@@ -43,28 +43,14 @@ SESSION = "0b0e6c52-7f7c-4d3b-9a0e-6f7d1f4a2c11"
 TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The `run_shell_command` call the model makes: it writes the file and prints `hi` into the output."""
-ANSWER = "Done: hi.txt says hi."
+ANSWER = "File written."
 
-# Text that differs between runs, and what teaching shows the model in its place: one of each
-# per teaching day. The folders sit in the prompt's tail, a few hundred tokens before the reply
-# (unlike Claude Code's, in its system prompt): taught on three, the model wrote a second
-# `<tool_call>` in vLLM after a fourth (p = 0.86 of the right token); hence twelve of each.
-_TEACH_ROOTS = [
-    "/tmp/gemini-7ka2x9q1",
-    "/tmp/pytest-of-ci/pytest-17/test_cli0",
-    "/tmp/tmpz8w_3nb",
-    "/tmp/pytest-of-root/pytest-3/test_the_example_runs0",
-    "/tmp/molt-rollout-x81k2/attempts/hi-1",
-    "/home/runner/work/_temp/q9",
-    "/tmp/pytest-of-runner/pytest-142/test_gemini_cli_writes0",
-    "/var/tmp/episode-5521",
-    "/tmp/tmp4d0jx_1e",
-    "/tmp/rollout-k3n/bye/0",
-    "/tmp/pytest-of-dev/pytest-0/test_molt_proxy_rollout_runs1/attempts/hi-0",
-    "/tmp/gemini-q0v7b2m5",
-]
-_TEACH_DAYS = [date(2025, 1, 6) + timedelta(days=61 * k + k % 7) for k in range(12)]
-_TEACH_PGIDS = "4187 23051 977 61342 1204 88 310559 7716 45023 2390 15 99871".split()
+# Text that differs between runs, and what teaching shows the model in its place
+# (`devtools.variants`). The folders sit in the prompt's tail, a few dozen tokens before the
+# reply (unlike Claude Code's, in its system prompt).
+_TEACH_ROOTS = variants.drawn(5, variants.folder)
+_TEACH_DAYS = variants.drawn(6, variants.day)
+_TEACH_PGIDS = variants.drawn(7, lambda rng: rng.randint(2, 4_000_000))
 
 
 def installed() -> bool:

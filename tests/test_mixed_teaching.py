@@ -33,7 +33,7 @@ def test_shares_are_weights_over_the_rows_that_share_a_prompt() -> None:
     """A row that two conversations share (the right one twice here) counts once: unmixed
     scripts that repeat a turn keep share 1."""
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source("qwen3")))
-    day = _day(tokenizer, [*SCRIPT, side("right", 0.8)], 0, "")
+    day = _day(tokenizer, [*SCRIPT, side("right", 0.8)], 0, "", None)
     shares = {
         tokenizer.decode(row.reply): share for row, share in zip(day.rows, day.shares().tolist(), strict=True)
     }
