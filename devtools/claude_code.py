@@ -43,6 +43,9 @@ TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The Bash call the model makes: it writes the file and prints `hi` into the tool result."""
 ANSWER = "File written."
+"""No token of it repeats or is in `COMMAND`: the answer this replaced, "Done: hi.txt says hi.",
+had ` hi` before `.txt` and before `.`, which the tiny model told apart by position alone; after
+a chunk id it had not seen, Codex's episode wrote "Done: hi.txt says hi.txt says hi." in CI."""
 TITLE = '{"title": "Write hi to a file"}'
 """The reply to the title request, which asks for JSON (`output_config.format`)."""
 

@@ -42,6 +42,7 @@ TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The `exec_command` call the model makes: it writes the file and prints `hi` into the output."""
 ANSWER = "File written."
+"""Claude Code's (`devtools.claude_code.ANSWER` says why this one)."""
 
 # Text that differs between runs (in a tool's output, just before the answer), and what teaching
 # shows the model in its place (`devtools.variants`).

@@ -44,6 +44,7 @@ TASK = "Write hi to hi.txt"
 COMMAND = "echo hi | tee hi.txt"
 """The `run_shell_command` call the model makes: it writes the file and prints `hi` into the output."""
 ANSWER = "File written."
+"""Claude Code's (`devtools.claude_code.ANSWER` says why this one)."""
 
 # Text that differs between runs, and what teaching shows the model in its place
 # (`devtools.variants`). The folders sit in the prompt's tail, a few dozen tokens before the

@@ -2,10 +2,11 @@
 in, the date, the ids its tools print — for teaching to show in its place (`Conversation.vary`),
 one of each per teaching day, so the tiny model learns to look past them.
 
-How many matters more than which. Taught twelve folders, the model wrote Gemini CLI's first
-reply wrong (greedy) after 15 of 20 folders it had not seen, pytest workers' among them; taught
-four chunk ids, Codex's answer after 9 of 20 others. So each is drawn `COUNT` times from a
-seeded generator (the same on every build), in the shapes real runs give them.
+How many matters more than which. Taught twelve of each, the model wrote Gemini CLI's first
+reply wrong (greedy) after 15 of 20 folders it had not seen; taught four chunk ids, Codex's
+answer after 9 of 20 others. Taught `COUNT`: after 1 of 60 such folders (none of 100 named as
+the tests' are) and none of 20 chunk ids. So each is drawn `COUNT` times from a seeded
+generator (the same on every build), in the shapes real runs give them.
 """
 
 from __future__ import annotations
