@@ -18,8 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from molt_proxy.errors import NotFound
-from molt_proxy.routes import _json, _proxy, asked, streamed
-from molt_proxy.wire.control import request_body
+from molt_proxy.routes import _json, _proxy, asked, chat_route, streamed
 from molt_proxy.wire.gemini import GENERATE_SCHEMA, decode_count_request, decode_generate_request
 from molt_proxy.wire.gemini_reply import count_body, encode_response, encode_stream, model_body
 
@@ -75,39 +74,32 @@ async def _count(request: Request, model: str, path_session: str | None) -> Resp
     return _json(count_body(await turn.count()))
 
 
-_BODY = request_body(GENERATE_SCHEMA)
-
-
-@router.post("/v1beta/models/{model}:generateContent", response_model=None, openapi_extra=_BODY)
+@chat_route(router, "/v1beta/models/{model}:generateContent", GENERATE_SCHEMA)
 async def generate_content(model: str, request: Request) -> Response:
     return await _generate(request, model, None, stream=False)
 
 
-@router.post(
-    "/s/{session_id}/v1beta/models/{model}:generateContent", response_model=None, openapi_extra=_BODY
-)
+@chat_route(router, "/s/{session_id}/v1beta/models/{model}:generateContent", GENERATE_SCHEMA)
 async def session_generate_content(session_id: str, model: str, request: Request) -> Response:
     return await _generate(request, model, session_id, stream=False)
 
 
-@router.post("/v1beta/models/{model}:streamGenerateContent", response_model=None, openapi_extra=_BODY)
+@chat_route(router, "/v1beta/models/{model}:streamGenerateContent", GENERATE_SCHEMA)
 async def stream_generate_content(model: str, request: Request) -> Response:
     return await _generate(request, model, None, stream=True)
 
 
-@router.post(
-    "/s/{session_id}/v1beta/models/{model}:streamGenerateContent", response_model=None, openapi_extra=_BODY
-)
+@chat_route(router, "/s/{session_id}/v1beta/models/{model}:streamGenerateContent", GENERATE_SCHEMA)
 async def session_stream_generate_content(session_id: str, model: str, request: Request) -> Response:
     return await _generate(request, model, session_id, stream=True)
 
 
-@router.post("/v1beta/models/{model}:countTokens", response_model=None, openapi_extra=_BODY)
+@chat_route(router, "/v1beta/models/{model}:countTokens", GENERATE_SCHEMA)
 async def count_tokens(model: str, request: Request) -> Response:
     return await _count(request, model, None)
 
 
-@router.post("/s/{session_id}/v1beta/models/{model}:countTokens", response_model=None, openapi_extra=_BODY)
+@chat_route(router, "/s/{session_id}/v1beta/models/{model}:countTokens", GENERATE_SCHEMA)
 async def session_count_tokens(session_id: str, model: str, request: Request) -> Response:
     return await _count(request, model, session_id)
 

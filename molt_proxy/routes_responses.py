@@ -13,16 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request, Response
 
 from molt_proxy import auth
 from molt_proxy.errors import NotFound
 from molt_proxy.proxy import Proxy
-from molt_proxy.routes import _proxy, asked, streamed
+from molt_proxy.routes import _json, _proxy, asked, chat_route, streamed
 from molt_proxy.store_responses import StoredResponse, StoredResponses
 from molt_proxy.types import RecordedReply
-from molt_proxy.wire.control import request_body
 from molt_proxy.wire.responses import (
     RESPONSES_SCHEMA,
     ResponsesRequest,
@@ -69,7 +67,7 @@ class _Kept:
         await StoredResponses(self.proxy.store).save(self.response, session_id, items)
 
 
-async def _create(request: Request, path_session: str | None) -> dict[str, Any] | StreamingResponse:
+async def _create(request: Request, path_session: str | None) -> Response:
     """`POST /v1/responses`: the same turn as a chat completion, in the Responses API's shapes.
     A request naming `previous_response_id` continues that response's conversation, in its
     session (`Turns.continuing`)."""
@@ -96,20 +94,18 @@ async def _create(request: Request, path_session: str | None) -> dict[str, Any] 
     if not decoded.stream:
         answer = await turn.whole()
         if kept is not None and kept.response is not None:
-            return kept.response
-        return encode_response(shape, answer.reply, answer.session_id)
+            return _json(kept.response)
+        return _json(encode_response(shape, answer.reply, answer.session_id))
     return await streamed(encode_response_stream(shape, turn.stream()))
 
 
-@router.post("/v1/responses", response_model=None, openapi_extra=request_body(RESPONSES_SCHEMA))
-async def responses(request: Request) -> dict[str, Any] | StreamingResponse:
+@chat_route(router, "/v1/responses", RESPONSES_SCHEMA)
+async def responses(request: Request) -> Response:
     return await _create(request, None)
 
 
-@router.post(
-    "/s/{session_id}/v1/responses", response_model=None, openapi_extra=request_body(RESPONSES_SCHEMA)
-)
-async def session_responses(session_id: str, request: Request) -> dict[str, Any] | StreamingResponse:
+@chat_route(router, "/s/{session_id}/v1/responses", RESPONSES_SCHEMA)
+async def session_responses(session_id: str, request: Request) -> Response:
     return await _create(request, session_id)
 
 
