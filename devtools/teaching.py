@@ -426,7 +426,7 @@ def _teach(
     # day for scripts that show no date and vary nothing.
     varied = [len(shown) for conv in conversations for shown in conv.get("vary", {}).values()]
     days: list[_Day] = []
-    for k in range(max(len(_TEACH_DATES), *varied)):
+    for k in range(max([len(_TEACH_DATES), *varied])):
         day = _day(tokenizer, conversations, k, _TEACH_DATES[k % len(_TEACH_DATES)], reach(model))
         if all(day.rows != d.rows for d in days):
             days.append(day)
