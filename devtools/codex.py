@@ -47,7 +47,9 @@ ANSWER = "File written."
 # Text that differs between runs (in a tool's output, just before the answer), and what teaching
 # shows the model in its place (`devtools.variants`).
 _TEACH_CHUNKS = variants.drawn(3, lambda rng: f"{rng.getrandbits(24):06x}")
-_TEACH_WALL_TIMES = variants.drawn(4, lambda rng: f"{rng.uniform(0, 0.3):.4f}")
+# Wall times from 0.1 ms to 10 s, as many under a millisecond as over a second (a loaded
+# machine's sandboxed `tee` takes seconds).
+_TEACH_WALL_TIMES = variants.drawn(4, lambda rng: f"{10 ** rng.uniform(-4, 1):.4f}")
 
 
 def installed() -> bool:

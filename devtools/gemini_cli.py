@@ -51,7 +51,7 @@ ANSWER = "File written."
 # reply (unlike Claude Code's, in its system prompt).
 _TEACH_ROOTS = variants.drawn(5, variants.folder)
 _TEACH_DAYS = variants.drawn(6, variants.day)
-_TEACH_PGIDS = variants.drawn(7, lambda rng: rng.randint(2, 4_000_000))
+_TEACH_PGIDS = variants.drawn(7, variants.pid)
 
 
 def installed() -> bool:
