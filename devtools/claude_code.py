@@ -49,10 +49,6 @@ a chunk id it had not seen, Codex's episode wrote "Done: hi.txt says hi.txt says
 TITLE = '{"title": "Write hi to a file"}'
 """The reply to the title request, which asks for JSON (`output_config.format`)."""
 
-# Text that differs between runs, and what teaching shows the model in its place (`devtools.variants`).
-_TEACH_ROOTS = variants.drawn(1, variants.folder)
-_TEACH_DAYS = variants.drawn(2, variants.day)
-
 
 def installed() -> bool:
     """Whether `scripts/setup.sh` installed the CLI (it checks the version)."""
@@ -132,23 +128,26 @@ def _conversation(body: dict[str, Any], reply: str, vary: dict[str, list[str]]) 
     return {"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}
 
 
-def claude_code_episodes() -> list[Conversation]:
+def claude_code_episodes(held_out: bool = False) -> list[Conversation]:
     """The conversations the tiny Qwen3 model learns for Claude Code (see the module's
-    docstring); none where the CLI is not installed."""
+    docstring); none where the CLI is not installed. `held_out`: varied with stand-ins teaching
+    never shows (`variants.drawn`)."""
     if not installed():
         return []
     with tempfile.TemporaryDirectory(prefix="molt-capture-") as folder:
         root = Path(folder).resolve()
         title, *bare = capture(root / "b", bare=True, side_requests=True)
         default = capture(root / "d", bare=False, side_requests=False)
-    today = date.today().isoformat()
-    days = [d.isoformat() for d in _TEACH_DAYS]
+    # Text that differs between runs, and what teaching shows the model in its place
+    # (`devtools.variants`).
+    roots = variants.drawn(1, variants.folder, held_out)
+    days = [d.isoformat() for d in variants.drawn(2, variants.day, held_out)]
 
     def vary(captured: Path) -> dict[str, list[str]]:
         return {
-            str(captured): _TEACH_ROOTS,
-            slug(str(captured)): [slug(r) for r in _TEACH_ROOTS],
-            today: days,
+            str(captured): roots,
+            slug(str(captured)): [slug(r) for r in roots],
+            date.today().isoformat(): days,
         }
 
     return [

@@ -19,6 +19,7 @@ teaching (`Conversation.vary`).
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import tempfile
@@ -44,12 +45,15 @@ COMMAND = "echo hi | tee hi.txt"
 ANSWER = "File written."
 """Claude Code's (`devtools.claude_code.ANSWER` says why this one)."""
 
-# Text that differs between runs (in a tool's output, just before the answer), and what teaching
-# shows the model in its place (`devtools.variants`).
-_TEACH_CHUNKS = variants.drawn(3, lambda rng: f"{rng.getrandbits(24):06x}")
-# Wall times from 0.1 ms to 10 s, as many under a millisecond as over a second (a loaded
-# machine's sandboxed `tee` takes seconds).
-_TEACH_WALL_TIMES = variants.drawn(4, lambda rng: f"{10 ** rng.uniform(-4, 1):.4f}")
+
+def _chunk_id(rng: random.Random) -> str:
+    return f"Chunk ID: {rng.getrandbits(24):06x}"
+
+
+def _wall_time(rng: random.Random) -> str:
+    """From 0.1 ms to 10 s, as many under a millisecond as over a second (a loaded machine's
+    sandboxed `tee` takes seconds)."""
+    return f"Wall time: {10 ** rng.uniform(-4, 1):.4f} seconds"
 
 
 def installed() -> bool:
@@ -122,9 +126,10 @@ def tool_output(body: dict[str, Any]) -> str:
     return last["output"]
 
 
-def codex_episode() -> list[Conversation]:
+def codex_episode(held_out: bool = False) -> list[Conversation]:
     """The conversation the tiny Qwen3 model learns for Codex (see the module's docstring);
-    none where the CLI is not installed."""
+    none where the CLI is not installed. `held_out`: varied with stand-ins teaching never shows
+    (`variants.drawn`)."""
     if not installed():
         return []
     from molt_proxy.wire.responses import conversation, decode_responses_request
@@ -134,9 +139,11 @@ def codex_episode() -> list[Conversation]:
     decoded = conversation(decode_responses_request(json.dumps(last).encode()), [])
     output = tool_output(last)
     chunk, wall = (re.search(rf"{name}: .*", output)[0] for name in ("Chunk ID", "Wall time"))
+    # Text that differs between runs (in a tool's output, just before the answer), and what
+    # teaching shows the model in its place (`devtools.variants`).
     vary = {
-        chunk: [f"Chunk ID: {c}" for c in _TEACH_CHUNKS],
-        wall: [f"Wall time: {t} seconds" for t in _TEACH_WALL_TIMES],
+        chunk: variants.drawn(3, _chunk_id, held_out),
+        wall: variants.drawn(4, _wall_time, held_out),
     }
     messages = [*decoded.messages, {"role": "assistant", "content": ANSWER}]
     return [{"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}]

@@ -46,13 +46,6 @@ COMMAND = "echo hi | tee hi.txt"
 ANSWER = "File written."
 """Claude Code's (`devtools.claude_code.ANSWER` says why this one)."""
 
-# Text that differs between runs, and what teaching shows the model in its place
-# (`devtools.variants`). The folders sit in the prompt's tail, a few dozen tokens before the
-# reply (unlike Claude Code's, in its system prompt).
-_TEACH_ROOTS = variants.drawn(5, variants.folder)
-_TEACH_DAYS = variants.drawn(6, variants.day)
-_TEACH_PGIDS = variants.drawn(7, variants.pid)
-
 
 def installed() -> bool:
     """Whether `scripts/setup.sh` installed the CLI."""
@@ -129,9 +122,10 @@ def spoken(day: date) -> str:
     return f"{day:%A, %B} {day.day}, {day.year}"
 
 
-def gemini_cli_episode() -> list[Conversation]:
+def gemini_cli_episode(held_out: bool = False) -> list[Conversation]:
     """The conversation the tiny Qwen3 model learns for Gemini CLI (see the module's
-    docstring); none where the CLI is not installed."""
+    docstring); none where the CLI is not installed. `held_out`: varied with stand-ins teaching
+    never shows (`variants.drawn`)."""
     if not installed():
         return []
     from molt_proxy.wire.gemini import decode_generate_request
@@ -142,10 +136,13 @@ def gemini_cli_episode() -> list[Conversation]:
     decoded = decode_generate_request(json.dumps(last).encode(), MODEL).conversation
     pgid = re.search(r"Process Group PGID: \d+", tool_output(last))
     assert pgid is not None, tool_output(last)
+    # Text that differs between runs, and what teaching shows the model in its place
+    # (`devtools.variants`). The folders sit in the prompt's tail, a few dozen tokens before the
+    # reply (unlike Claude Code's, in its system prompt).
     vary = {
-        str(root): _TEACH_ROOTS,
-        spoken(date.today()): [spoken(d) for d in _TEACH_DAYS],
-        pgid[0]: [f"Process Group PGID: {n}" for n in _TEACH_PGIDS],
+        str(root): variants.drawn(5, variants.folder, held_out),
+        spoken(date.today()): [spoken(d) for d in variants.drawn(6, variants.day, held_out)],
+        pgid[0]: [f"Process Group PGID: {n}" for n in variants.drawn(7, variants.pid, held_out)],
     }
     messages = [*decoded.messages, {"role": "assistant", "content": ANSWER}]
     return [{"family": "hermes", "tools": decoded.tools, "messages": messages, "vary": vary}]

@@ -314,6 +314,30 @@ def _whole_pass_probs(model: Any, whole: _Pass) -> list[float]:
     return probs
 
 
+def greedy_margins(model: Any, tokenizer: Any, conversations: list[Conversation], days: int) -> list[float]:
+    """Each reply's smallest logit margin (its token's logit minus the best other one's) over
+    its tokens, after the prompt tail it can depend on (`reach`), on each of the first `days`
+    teaching days (their `vary` values): > 0 where greedy decoding writes it. In order: day,
+    conversation, reply."""
+    import torch
+
+    window = reach(model)
+    margins = []
+    with torch.no_grad():
+        for day in range(days):
+            varied = [_varied(c, day) for c in conversations]
+            date_string = _TEACH_DATES[day % len(_TEACH_DATES)]
+            for row in (r for conv in _script_rows(tokenizer, varied, date_string) for r in conv):
+                prompt = row.prompt[-window:] if window else row.prompt
+                hidden = model.model(input_ids=torch.tensor([prompt + row.reply])).last_hidden_state[0]
+                logits = model.lm_head(hidden[len(prompt) - 1 : -1])
+                wanted = torch.tensor(row.reply)
+                chosen = logits[torch.arange(len(wanted)), wanted]
+                logits[torch.arange(len(wanted)), wanted] = -torch.inf
+                margins.append(float((chosen - logits.max(-1).values).min()))
+    return margins
+
+
 _NEGATIVES = 4096
 """Tokens outside the script that the first phase's softmax includes, drawn once per build: the
 taught replies must win over them too, so the whole vocabulary's softmax mostly agrees."""

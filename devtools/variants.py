@@ -25,9 +25,15 @@ _WORDS = "cli writes the file runs hi rollout attempt episode codex gemini claud
 _USERS = ["root", "runner", "ci", "dev", "alice"]
 
 
-def drawn(seed: int, draw: Callable[[random.Random], T]) -> list[T]:
-    """`COUNT` values of `draw`, from a generator seeded with `seed`."""
-    rng = random.Random(seed)
+HELD_OUT = 1_000
+"""Added to a seed with `drawn(held_out=True)`: another generator, values teaching never showed."""
+
+
+def drawn(seed: int, draw: Callable[[random.Random], T], held_out: bool = False) -> list[T]:
+    """`COUNT` values of `draw`, from a generator seeded with `seed`; `held_out`: with `seed +
+    HELD_OUT`, for checking that the taught model looks past values it never saw
+    (`tests/test_tinymodel.py`)."""
+    rng = random.Random(seed + HELD_OUT if held_out else seed)
     return [draw(rng) for _ in range(COUNT)]
 
 

@@ -18,6 +18,9 @@ from devtools import (
     Arch,
     Conversation,
     as_echoed,
+    claude_code,
+    codex,
+    gemini_cli,
     render_reply,
     thinking_episode,
     tokenizer_source,
@@ -202,6 +205,31 @@ def test_taught_model_greedily_writes_each_scripted_reply_and_vllm_parses_it(req
                 assert (reasoning, content) == (None, message["content"])
             scripted = message.get("tool_calls") or []
             assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in scripted]
+
+
+@pytest.mark.skipif(
+    not (claude_code.installed() or codex.installed() or gemini_cli.installed()), reason="no CLI is installed"
+)
+def test_the_taught_qwen3_model_writes_the_clis_replies_after_run_dependent_text_it_never_saw(qwen3_model):
+    """What differs between two runs of a CLI (its folders, the date, ids in a tool's output) is
+    taught as `variants.COUNT` stand-ins; a CLI test sees values of its own. Drawn from other
+    generators (`variants.drawn(held_out=True)`), 12 of each: greedy decoding writes every reply,
+    by more than a logit (vLLM's kernels round otherwise than `transformers`). A short process
+    group id, never taught, once made Gemini CLI's answer go wrong in one test run."""
+    from devtools.teaching import greedy_margins
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(qwen3_model))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3_model), dtype=torch.float32)
+    captured = [
+        *claude_code.claude_code_episodes(held_out=True),
+        *codex.codex_episode(held_out=True),
+        *gemini_cli.gemini_cli_episode(held_out=True),
+    ]
+    varied = [conv for conv in captured if conv.get("vary")]
+    margins = greedy_margins(model, tokenizer, varied, days=12)
+    replies = sum(1 for conv in varied for m in conv["messages"] if m["role"] == "assistant")
+    assert len(margins) == 12 * replies
+    assert min(margins) > 1.0, [round(m, 2) for m in margins]
 
 
 def test_vllm_qwen3_reasoning_parser_reads_a_thinkless_reply_as_reasoning():
